@@ -1,0 +1,167 @@
+"""The default backend: one network namespace per cluster, joined through a bridge over shaped veths.
+
+    cluster namespace <key>-c0              switch namespace <key>-sw              cluster namespace <key>-c1
+    ranks of cluster 0 --lo (fast)--        +-----------------------+          --lo (fast)-- ranks of cluster 1
+    <key>-u0 (tbf: uplink) ========= <key>-b0 (tbf: downlink)  bridge  <key>-b1 (tbf) ========= <key>-u1 (tbf)
+
+The ranks of a cluster share its namespace, so traffic between them stays on loopback; traffic between clusters
+leaves through the cluster's uplink veth and is shaped on both ends (the bridge-side end shapes what arrives, so
+incast from several clusters is shaped too). Every object carries the run key, so teardown removes exactly what this
+run made: deleting a namespace deletes its veth ends, bridge and qdiscs with it.
+
+Without root, the harness re-enters itself in a user namespace (`unshare --user --map-root-user --net --mount`)
+where it may create namespaces, veths and qdiscs; everything it makes there vanishes with that namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pyroute2 import NetNS, netns
+
+from harness.metrics import interface_counters
+from harness.profiles import Profile
+from harness.shaping import apply_link_spec, read_qdiscs
+from harness.topology import Topology
+
+NETNS_DIR = Path(netns.NETNS_RUN_DIR)
+REEXEC_MARK = "HARNESS_IN_USERNS"
+
+
+class PrivilegeError(RuntimeError):
+    """Neither root nor user namespaces: the netns backend cannot create its namespaces."""
+
+
+def user_namespaces_work() -> bool:
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def needs_reexec() -> bool:
+    """True when the harness must re-enter itself in a user namespace to build the cluster."""
+    if os.geteuid() == 0:
+        return False
+    if not user_namespaces_work():
+        raise PrivilegeError(
+            "the netns backend needs root or unprivileged user namespaces, and this machine allows neither; "
+            "run as root (sudo) or enable them (sysctl kernel.unprivileged_userns_clone=1 / "
+            "user.max_user_namespaces > 0)")
+    return True
+
+
+def reexec_in_user_namespace(argv: list[str]) -> int:
+    """Run `harness <argv>` again as root of a fresh user, network and mount namespace; returns its exit code.
+
+    /run/netns belongs to the real root, so a private tmpfs is mounted over it (or over /run when it is missing)
+    inside the new mount namespace; the host's /run is untouched.
+    """
+    mount = ("mount -t tmpfs harness /run/netns 2>/dev/null || "
+             "{ mount -t tmpfs harness /run && mkdir -p /run/netns; }")
+    command = f"{mount} && exec {shlex.join([sys.executable, '-m', 'harness.cli', *argv])}"
+    env = {**os.environ, REEXEC_MARK: "1"}
+    return subprocess.call(["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command],
+                           env=env)
+
+
+class NetnsCluster:
+    """The emulated cluster of one run: created by `up()`, removed by `down()` (idempotent, always call it)."""
+
+    def __init__(self, run_key: str, topology: Topology, profile: Profile):
+        self.key = run_key
+        self.topology = topology
+        self.profile = profile
+        self.switch_ns = f"{run_key}-sw"
+        self._created: list[str] = []
+        self.applied_qdiscs: list[dict] = []
+
+    def cluster_ns(self, cluster: int) -> str:
+        return f"{self.key}-c{cluster}"
+
+    def uplink(self, cluster: int) -> str:
+        """The cluster-side end of its veth: the interface its ranks bind to."""
+        return f"{self.key}-u{cluster}"
+
+    def downlink(self, cluster: int) -> str:
+        """The bridge-side end of cluster `cluster`'s veth, in the switch namespace."""
+        return f"{self.key}-b{cluster}"
+
+    def _create_ns(self, name: str) -> None:
+        netns.create(name)
+        self._created.append(name)
+
+    def up(self) -> None:
+        started = time.perf_counter()
+        inter, intra = self.profile.inter_cluster, self.profile.intra_cluster
+        self._create_ns(self.switch_ns)
+        for c in range(self.topology.clusters):
+            self._create_ns(self.cluster_ns(c))
+        with NetNS(self.switch_ns, flags=0) as sw:
+            sw.link("add", ifname="bridge", kind="bridge")
+            bridge = sw.link_lookup(ifname="bridge")[0]
+            sw.link("set", index=bridge, state="up")
+            for c in range(self.topology.clusters):
+                sw.link("add", ifname=self.downlink(c), kind="veth", peer=self.uplink(c))
+                peer = sw.link_lookup(ifname=self.uplink(c))[0]
+                sw.link("set", index=peer, net_ns_fd=self.cluster_ns(c))
+                down = sw.link_lookup(ifname=self.downlink(c))[0]
+                sw.link("set", index=down, master=bridge, state="up")
+                self.applied_qdiscs += apply_link_spec(sw, self.downlink(c), inter)
+        for c in range(self.topology.clusters):
+            with NetNS(self.cluster_ns(c), flags=0) as ns:
+                ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+                up = ns.link_lookup(ifname=self.uplink(c))[0]
+                ns.addr("add", index=up, address=self.topology.cluster_address(c),
+                        prefixlen=self.topology.prefix_len)
+                ns.link("set", index=up, state="up")
+                self.applied_qdiscs += apply_link_spec(ns, self.uplink(c), inter)
+                # Ranks of one cluster reach each other's uplink address over loopback: that is the intra link.
+                self.applied_qdiscs += apply_link_spec(ns, "lo", intra)
+        self.setup_s = time.perf_counter() - started
+
+    def kernel_qdiscs(self) -> list[dict]:
+        """The qdiscs as the kernel reports them now, for environment.json."""
+        found = []
+        with NetNS(self.switch_ns, flags=0) as sw:
+            for c in range(self.topology.clusters):
+                found += [{"netns": self.switch_ns, **q} for q in read_qdiscs(sw, self.downlink(c))]
+        for c in range(self.topology.clusters):
+            with NetNS(self.cluster_ns(c), flags=0) as ns:
+                for dev in (self.uplink(c), "lo"):
+                    found += [{"netns": self.cluster_ns(c), **q} for q in read_qdiscs(ns, dev)]
+        return found
+
+    def wire_bytes(self) -> int:
+        """Bytes the clusters have sent into the switch so far (each crossing byte counted once)."""
+        with NetNS(self.switch_ns, flags=0) as sw:
+            return sum(interface_counters(sw, self.downlink(c))[1] for c in range(self.topology.clusters))
+
+    def worker_command(self, rank: int, argv: list[str]) -> list[str]:
+        ns_path = NETNS_DIR / self.cluster_ns(self.topology.cluster_of(rank))
+        return ["nsenter", f"--net={ns_path}", "--", *argv]
+
+    def worker_env(self, rank: int) -> dict[str, str]:
+        cluster = self.topology.cluster_of(rank)
+        return {
+            "GLOO_SOCKET_IFNAME": self.uplink(cluster),
+            "NCCL_SOCKET_IFNAME": self.uplink(cluster),
+            "HARNESS_UPLINK": self.uplink(cluster),
+        }
+
+    def down(self) -> None:
+        """Remove every namespace this run created (their veths, bridge and qdiscs go with them)."""
+        started = time.perf_counter()
+        for name in reversed(self._created):
+            try:
+                netns.remove(name)
+            except OSError:
+                pass
+        self._created.clear()
+        self.teardown_s = time.perf_counter() - started

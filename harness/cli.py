@@ -1,0 +1,267 @@
+"""The `harness` command: parse, call the library, print. No logic lives here."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from harness.backends.netns import PrivilegeError, needs_reexec, reexec_in_user_namespace, REEXEC_MARK
+from harness.config import RunConfig
+from harness.profiles import ProfileError, format_rate, known_profiles, load_profile
+from trainers.config import OptimConfig, TrainConfig
+from trainers.registry import METHODS, method_names
+
+console = Console()
+
+
+def _fail(message: str) -> typing.NoReturn:
+    console.print(f"[red]error:[/red] {message}", highlight=False)
+    sys.exit(2)
+
+
+def _method_options() -> dict[str, tuple[Any, dict[str, Any]]]:
+    """Every method config field, once: name -> (type, {method: default})."""
+    options: dict[str, tuple[Any, dict[str, Any]]] = {}
+    for name, (config_cls, _) in METHODS.items():
+        hints = typing.get_type_hints(config_cls)
+        for f in dataclasses.fields(config_cls):
+            kind, defaults = options.setdefault(f.name, (hints[f.name], {}))
+            defaults[name] = f.default
+    return options
+
+
+class _OptionalInt(click.ParamType):
+    name = "INTEGER|none"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int) or str(value).lower() == "none":
+            return None if value is None or str(value).lower() == "none" else value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither an integer nor 'none'", param, ctx)
+
+
+def _click_type(kind: Any) -> Any:
+    origin = typing.get_origin(kind)
+    if origin is typing.Literal:
+        return click.Choice([str(v) for v in typing.get_args(kind)])
+    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind):
+        return _OptionalInt()
+    return kind
+
+
+def method_option_flags(command):
+    """One flag per method option, generated from the methods' config dataclasses so the CLI never drifts."""
+    for field_name, (kind, defaults) in sorted(_method_options().items(), reverse=True):
+        flag = field_name.replace("_", "-")
+        used_by = ", ".join(f"{m}: {d}" for m, d in defaults.items())
+        if kind is bool:
+            decl = [f"--{flag}/--no-{flag}"]
+            command = click.option(*decl, field_name, default=None, help=f"[{used_by}]")(command)
+        else:
+            command = click.option(f"--{flag}", field_name, type=_click_type(kind), default=None,
+                                   help=f"[{used_by}]")(command)
+    return command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def main() -> None:
+    """Benchmark harness for low-communication LLM training over slow, kernel-shaped links."""
+
+
+def _build_config(method: str, profile: str, model: str, clusters: int, stages: int, steps: int | None,
+                  batch_size: int | None, seq_len: int | None, seed: int | None, eval_every: int | None,
+                  throughput_warmup_steps: int | None, microbatches: int | None, data: str | None,
+                  lr: float | None, calibrate: bool, backend: str, mode: str, method_opts: dict) -> RunConfig:
+    train_fields = {"model": model, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "seed": seed,
+                    "eval_every": eval_every, "throughput_warmup_steps": throughput_warmup_steps,
+                    "microbatches": microbatches, "data": data}
+    train = TrainConfig(**{k: v for k, v in train_fields.items() if v is not None},
+                        optim=OptimConfig() if lr is None else OptimConfig(lr=lr))
+    if train.throughput_warmup_steps >= train.steps and throughput_warmup_steps is None:
+        train = dataclasses.replace(train, throughput_warmup_steps=train.steps // 10)
+    return RunConfig(method=method, profile=load_profile(profile), train=train,
+                     method_options={k: v for k, v in method_opts.items() if v is not None},
+                     backend=backend, clusters=clusters, stages=stages, mode=mode, calibrate=calibrate)
+
+
+def _reexec_if_unprivileged() -> None:
+    if os.environ.get(REEXEC_MARK):
+        return
+    try:
+        reexec = needs_reexec()
+    except PrivilegeError as err:
+        _fail(str(err))
+    if reexec:
+        sys.exit(reexec_in_user_namespace(sys.argv[1:]))
+
+
+def _progress_display():
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
+                        transient=False)
+    task = progress.add_task("starting", total=None, status="building cluster...")
+
+    def update(state: dict[str, Any]) -> None:
+        if "step" not in state:
+            return
+        parts = [f"loss {state['loss']:.3f}" if "loss" in state else ""]
+        if "val_loss" in state:
+            parts.append(f"val {state['val_loss']:.3f}")
+        if state.get("step_s"):
+            parts.append(f"{state['tokens'] / max(state['step'] + 1, 1) / state['step_s']:,.0f} tok/s")
+        util = state.get("link_utilisation")
+        parts.append(f"link {format_rate(state['link_bps'])}"
+                     + (f" ({util:.0%} of {state['link']})" if util is not None else ""))
+        progress.update(task, description=f"step {state['step'] + 1}/{state['total_steps']}",
+                        completed=state["step"] + 1, total=state["total_steps"], status="  ".join(parts))
+
+    return progress, update
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    rows = [
+        ("status", summary["status"] + (f" - {summary['failure']}" if summary.get("failure") else "")),
+        ("method / profile", f"{summary['method']} on {summary['profile']} "
+                             f"({summary['clusters']} clusters x {summary['stages']} stages, {summary['backend']})"),
+        ("model", f"{summary['model']} ({summary['param_count'] / 1e6:.2f}M parameters)"),
+        ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,}"),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s" if summary.get("tokens_per_s") else "-"),
+        ("loss", f"train {summary['final_train_loss']:.3f}, val {summary['initial_val_loss']:.3f} -> "
+                 f"{summary['final_val_loss']:.3f}" if summary.get("final_val_loss") else "-"),
+        ("wire bytes", f"{summary['wire_bytes']:,} ({summary['wire_bytes_per_token']:.1f} per token; "
+                       f"method payload {summary['payload_bytes']:,})" if summary.get("wire_bytes") else "-"),
+    ]
+    if summary.get("link_busbw_bps"):
+        rows.append(("link busbw", f"{format_rate(summary['link_busbw_bps'])} measured vs "
+                                   f"{format_rate(summary['link_rate_bps'])} configured"))
+    for key, value in rows:
+        table.add_row(f"[bold]{key}[/bold]", value)
+    console.print(table)
+    console.print(f"results: {summary['results_dir']}")
+
+
+@main.command()
+@click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
+@click.option("--method", default="allreduce", show_default=True, type=click.Choice(method_names()))
+@click.option("--model", default=TrainConfig.model, show_default=True, help="tiny, small, tiny-qwen, ...")
+@click.option("--clusters", default=2, show_default=True, help="Sites joined by the shaped link.")
+@click.option("--stages", default=1, show_default=True, help="Pipeline stages (ranks) per cluster.")
+@click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}].")
+@click.option("--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}].")
+@click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context].")
+@click.option("--seed", type=int, help=f"Seed for weights and data order [default: {TrainConfig.seed}].")
+@click.option("--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}].")
+@click.option("--throughput-warmup-steps", type=int,
+              help=f"Steps left out of tokens/s [default: {TrainConfig.throughput_warmup_steps}].")
+@click.option("--microbatches", type=int, help="Pipeline micro-batches per step [default: --stages].")
+@click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}].")
+@click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib].")
+@click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
+@click.option("--calibrate", is_flag=True, help="Measure the link's all-reduce busbw before training.")
+@click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
+@method_option_flags
+def run(method, profile, model, clusters, stages, steps, batch_size, seq_len, seed, eval_every,
+        throughput_warmup_steps, microbatches, lr, data, out, calibrate, backend, **method_opts):
+    """Train one method on the emulated cluster and write a results folder."""
+    from harness.runner import RunError, run as run_benchmark, validate
+
+    try:
+        config = _build_config(method, profile, model, clusters, stages, steps, batch_size, seq_len, seed,
+                               eval_every, throughput_warmup_steps, microbatches, data, lr, calibrate, backend,
+                               "train", method_opts)
+        validate(config, out)
+    except (ProfileError, RunError, ValueError) as err:
+        _fail(str(err))
+    _reexec_if_unprivileged()
+    progress, update = _progress_display()
+    with progress:
+        summary = run_benchmark(config, out, on_progress=update)
+    _print_summary(summary)
+    sys.exit(0 if summary["status"] == "ok" else 1)
+
+
+@main.command()
+@click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
+@click.option("--clusters", default=2, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
+def calibrate(profile, clusters, out):
+    """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
+    from harness.runner import RunError, run as run_benchmark, validate
+
+    try:
+        config = _build_config("allreduce", profile, TrainConfig.model, clusters, 1, None, None, None, None, None,
+                               None, None, None, None, True, "netns", "calibrate", {})
+        validate(config, out)
+        if clusters < 2:
+            raise ValueError("calibration measures the link between clusters; use --clusters 2 or more")
+    except (ProfileError, RunError, ValueError) as err:
+        _fail(str(err))
+    _reexec_if_unprivileged()
+    summary = run_benchmark(config, out)
+    if summary["status"] != "ok":
+        _fail(f"calibration failed: {summary['failure']} (results: {summary['results_dir']})")
+    busbw, rate = summary["link_busbw_bps"], summary["link_rate_bps"]
+    ratio = f" = {busbw / rate:.3f} of the configured rate" if rate else ""
+    console.print(f"profile {summary['profile']}: all-reduce busbw {format_rate(busbw)} across {clusters} clusters, "
+                  f"configured {format_rate(rate) if rate else 'unshaped'}{ratio}")
+    console.print(f"results: {summary['results_dir']}")
+
+
+@main.group()
+def profiles() -> None:
+    """Network profiles (netem_profiles/*.yaml)."""
+
+
+@profiles.command("list")
+def profiles_list() -> None:
+    """The named profiles and what they shape."""
+    table = Table("name", "inter-cluster link", "intra-cluster link", "description")
+    for name in known_profiles():
+        p = load_profile(name)
+        table.add_row(name, p.inter_cluster.describe(), p.intra_cluster.describe(), p.description)
+    console.print(table)
+
+
+@profiles.command("show")
+@click.argument("name")
+def profiles_show(name: str) -> None:
+    """A profile's YAML and how it is read."""
+    try:
+        p = load_profile(name)
+    except ProfileError as err:
+        _fail(str(err))
+    console.print(f"# {p.source}", highlight=False)
+    console.print(Path(p.source).read_text().rstrip(), highlight=False)
+    console.print(f"# inter-cluster: {p.inter_cluster.describe()}", highlight=False)
+    console.print(f"# intra-cluster: {p.intra_cluster.describe()}", highlight=False)
+    console.print(yaml.safe_dump({"parsed": p.to_dict()}, sort_keys=False).rstrip(), highlight=False)
+
+
+@main.command()
+def doctor() -> None:
+    """What this machine can do, and which profiles and backends that allows."""
+    from harness.doctor import diagnose
+
+    table = Table("check", "result", "what it means")
+    for check in diagnose():
+        mark = "[green]yes[/green]" if check.ok else "[red]no[/red]"
+        table.add_row(check.name, f"{mark} {check.detail}", check.meaning)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

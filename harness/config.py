@@ -1,0 +1,58 @@
+"""A run's full configuration: the cluster around the training, plus the training itself.
+
+Defaults live in the dataclasses (here and in trainers/config.py and each method's config); the CLI passes only
+what the user set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.profiles import LinkSpec, Profile
+from trainers.config import OptimConfig, TrainConfig
+
+
+@dataclass
+class RunConfig:
+    method: str
+    profile: Profile
+    train: TrainConfig = field(default_factory=TrainConfig)
+    method_options: dict[str, Any] = field(default_factory=dict)
+    backend: Literal["netns", "docker"] = "netns"
+    clusters: int = 2
+    stages: int = 1
+    mode: Literal["train", "calibrate"] = "train"
+    calibrate: bool = False
+    # Short, unique and safe in interface names (15 characters at most): it prefixes every kernel object a run makes.
+    run_key: str = field(default_factory=lambda: "hx" + secrets.token_hex(3))
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            self.run_id = f"{stamp}-{self.method}-{self.profile.name}-{self.run_key}"
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["profile"] = self.profile.to_dict()
+        return data
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        data = json.loads(path.read_text())
+        prof = data.pop("profile")
+        profile = Profile(prof["name"], prof["description"], LinkSpec(**prof["inter_cluster"]),
+                          LinkSpec(**prof["intra_cluster"]), prof["source"])
+        train = data.pop("train")
+        optim = train.pop("optim")
+        optim["betas"] = tuple(optim["betas"])
+        return cls(profile=profile, train=TrainConfig(optim=OptimConfig(**optim), **train), **data)

@@ -1,0 +1,76 @@
+"""`harness doctor`: what this machine can do for the harness, probed, not assumed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from harness.backends.netns import user_namespaces_work
+from harness.profiles import format_rate, max_shapeable_rate_bps
+from harness.shaping import probe_qdiscs
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    meaning: str
+
+
+def _docker_engine() -> tuple[bool, str, bool]:
+    """(engine reachable, detail, nvidia runtime present)."""
+    try:
+        import docker
+    except ImportError:
+        return False, "the docker SDK is not installed (pip install 'harness[docker]')", False
+    try:
+        client = docker.from_env(timeout=3)
+        info = client.info()
+    except Exception as err:  # the SDK raises several unrelated types when no engine answers
+        return False, f"no engine answers ({type(err).__name__})", False
+    runtimes = info.get("Runtimes", {})
+    return True, f"engine {info.get('ServerVersion', '?')}", "nvidia" in runtimes
+
+
+def _gpus() -> list[str]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
+def diagnose() -> list[Check]:
+    root = os.geteuid() == 0
+    userns = user_namespaces_work()
+    qdiscs = probe_qdiscs(not root)
+    docker_ok, docker_detail, nvidia = _docker_engine()
+    gpus = _gpus()
+    tools = [t for t in ("unshare", "nsenter") if shutil.which(t) is None]
+    return [
+        Check("privileges", root or userns,
+              "root" if root else ("user namespaces" if userns else "neither root nor user namespaces"),
+              "the netns backend can build clusters" if root or userns
+              else "the netns backend cannot run: use root or enable unprivileged user namespaces"),
+        Check("util-linux", not tools, "unshare and nsenter found" if not tools else f"missing: {', '.join(tools)}",
+              "needed to enter namespaces" if not tools else "install util-linux"),
+        Check("tbf", qdiscs["tbf"], "sch_tbf", "rate-only profiles work" if qdiscs["tbf"]
+              else "no rate shaping: only the 'unshaped' profile works"),
+        Check("htb", qdiscs["htb"], "sch_htb", "available (the harness shapes with tbf)"),
+        Check("netem", qdiscs["netem"], "sch_netem", "profiles with delay, jitter or loss work" if qdiscs["netem"]
+              else "profiles with delay, jitter or loss are refused (modprobe sch_netem to enable)"),
+        Check("ifb", qdiscs["ifb"], "IFB devices", "ingress redirection possible (not needed: both veth ends "
+              "are shaped)"),
+        Check("rate ceiling", True, f"~{format_rate(max_shapeable_rate_bps())} ({os.cpu_count()} cores)",
+              "faster profiles are refused: the CPU, not the qdisc, would set the rate"),
+        Check("docker", docker_ok, docker_detail,
+              "--backend docker can run" if docker_ok else "--backend docker is unavailable"),
+        Check("nvidia runtime", nvidia, "present" if nvidia else "absent",
+              "containers can get GPUs" if nvidia else "docker workers run on CPU"),
+        Check("GPUs", bool(gpus), ", ".join(gpus) or "none visible to torch",
+              "workers use NCCL on CUDA" if gpus else "workers use gloo on CPU"),
+    ]

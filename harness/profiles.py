@@ -1,0 +1,209 @@
+"""Network profiles: netem_profiles/*.yaml -> validated LinkSpecs.
+
+A profile names two links: the inter-cluster link (the slow WAN between sites that the methods are compared on)
+and the intra-cluster link (between the pipeline stages of one site; unshaped by default). Rates use tc's units
+(``1gbit``, ``500mbit``), sizes tc's byte units (``256kb`` = 256 KiB), times ``ms``/``us``/``s``, loss ``0.1%``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+PROFILE_DIR = Path(__file__).resolve().parent.parent / "netem_profiles"
+
+# tbf holds ~95% of the set rate up to ~1.5 Gbit/s per core here (MACHINE-NOTES); above that the CPU, not the
+# qdisc, sets the rate and the benchmark would silently measure the wrong link. Override with HARNESS_MAX_RATE.
+SHAPEABLE_BPS_PER_CORE = 1.5e9
+MIN_RATE_BPS = 8_000
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_SIZE_UNITS = {"b": 1, "kb": 1024, "k": 1024, "mb": 1024**2, "m": 1024**2, "gb": 1024**3}
+_TIME_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+_LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss"}
+_PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster"}
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message is one sentence naming the fix."""
+
+
+def _parse(value: object, units: dict[str, float], what: str, example: str) -> float:
+    text = str(value).strip().lower()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z%]*)", text)
+    if not match or match.group(2) not in units:
+        raise ProfileError(f"{what} {value!r} is not understood; write a number with a unit, e.g. {example} "
+                           f"(units: {', '.join(units)})")
+    return float(match.group(1)) * units[match.group(2)]
+
+
+def parse_rate_bps(value: object) -> int:
+    rate = _parse(value, _RATE_UNITS, "rate", "1gbit or 500mbit")
+    if rate < MIN_RATE_BPS:
+        raise ProfileError(f"rate {value!r} is below the {MIN_RATE_BPS // 1000} kbit/s that tbf can shape; "
+                           "use a larger rate")
+    return int(rate)
+
+
+def parse_size_bytes(value: object) -> int:
+    size = _parse(value, _SIZE_UNITS, "size", "256kb")
+    if size < 1:
+        raise ProfileError(f"size {value!r} must be positive")
+    return int(size)
+
+
+def parse_time_ms(value: object) -> float:
+    return _parse(value, _TIME_UNITS, "time", "20ms")
+
+
+def parse_loss_pct(value: object) -> float:
+    pct = _parse(value, {"%": 1.0, "": 1.0}, "loss", "0.1%")
+    if not 0 <= pct < 100:
+        raise ProfileError(f"loss {value!r} must be a percentage in [0, 100)")
+    return pct
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """How one link is shaped. An empty spec leaves the link unshaped."""
+
+    rate_bps: int | None = None
+    burst_bytes: int = 256 * 1024
+    # tbf's queue bound, expressed as the longest a packet may wait; 50 ms held the rate well here.
+    latency_ms: float = 50.0
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss_pct: float = 0.0
+
+    @property
+    def needs_netem(self) -> bool:
+        return self.delay_ms > 0 or self.jitter_ms > 0 or self.loss_pct > 0
+
+    @property
+    def shaped(self) -> bool:
+        return self.rate_bps is not None or self.needs_netem
+
+    def describe(self) -> str:
+        if not self.shaped:
+            return "unshaped"
+        parts = []
+        if self.rate_bps is not None:
+            parts.append(f"{format_rate(self.rate_bps)} (burst {self.burst_bytes // 1024} KiB)")
+        if self.delay_ms:
+            parts.append(f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else ""))
+        if self.loss_pct:
+            parts.append(f"loss {self.loss_pct:g}%")
+        return ", ".join(parts)
+
+    @classmethod
+    def from_yaml(cls, data: object, where: str) -> LinkSpec:
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where} must be a mapping of {sorted(_LINK_KEYS)}, got {type(data).__name__}")
+        unknown = set(data) - _LINK_KEYS
+        if unknown:
+            raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_LINK_KEYS)}")
+        kwargs: dict = {}
+        if "rate" in data:
+            kwargs["rate_bps"] = parse_rate_bps(data["rate"])
+        if "burst" in data:
+            kwargs["burst_bytes"] = parse_size_bytes(data["burst"])
+        if "latency" in data:
+            kwargs["latency_ms"] = parse_time_ms(data["latency"])
+        if "delay" in data:
+            kwargs["delay_ms"] = parse_time_ms(data["delay"])
+        if "jitter" in data:
+            kwargs["jitter_ms"] = parse_time_ms(data["jitter"])
+        if "loss" in data:
+            kwargs["loss_pct"] = parse_loss_pct(data["loss"])
+        if kwargs.get("jitter_ms") and not kwargs.get("delay_ms"):
+            raise ProfileError(f"{where} sets jitter without delay; add a delay (jitter varies it)")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    inter_cluster: LinkSpec = field(default_factory=LinkSpec)
+    intra_cluster: LinkSpec = field(default_factory=LinkSpec)
+    source: str = ""
+
+    @property
+    def needs_netem(self) -> bool:
+        return self.inter_cluster.needs_netem or self.intra_cluster.needs_netem
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "inter_cluster": self.inter_cluster.__dict__,
+            "intra_cluster": self.intra_cluster.__dict__,
+        }
+
+
+def format_rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.0f} bit/s"
+
+
+def known_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A profile by name (netem_profiles/NAME.yaml) or by a path to the user's own YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not path.is_file():
+            raise ProfileError(f"profile file {name_or_path} does not exist; pass a YAML file or one of: "
+                               f"{', '.join(known_profiles())}")
+    else:
+        path = PROFILE_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ProfileError(f"unknown profile {name_or_path!r}; known profiles: {', '.join(known_profiles())} "
+                               "(or pass a path to your own YAML)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ProfileError(f"profile {path} is not valid YAML{where}; fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile {path} must be a YAML mapping with keys {sorted(_PROFILE_KEYS)}")
+    unknown = set(data) - _PROFILE_KEYS
+    if unknown:
+        raise ProfileError(f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
+    return Profile(
+        name=path.stem,
+        description=str(data.get("description", "")),
+        inter_cluster=LinkSpec.from_yaml(data.get("inter_cluster"), f"{path.name}: inter_cluster"),
+        intra_cluster=LinkSpec.from_yaml(data.get("intra_cluster"), f"{path.name}: intra_cluster"),
+        source=str(path),
+    )
+
+
+def max_shapeable_rate_bps() -> float:
+    override = os.environ.get("HARNESS_MAX_RATE")
+    if override:
+        return parse_rate_bps(override)
+    return SHAPEABLE_BPS_PER_CORE * (os.cpu_count() or 1)
+
+
+def check_shapeable(profile: Profile) -> None:
+    """Refuse a rate this machine's CPUs cannot push through a veth, so the link is really the bottleneck."""
+    ceiling = max_shapeable_rate_bps()
+    for which, spec in (("inter_cluster", profile.inter_cluster), ("intra_cluster", profile.intra_cluster)):
+        if spec.rate_bps is not None and spec.rate_bps > ceiling:
+            raise ProfileError(
+                f"profile {profile.name!r} asks for {format_rate(spec.rate_bps)} on {which}, more than this "
+                f"machine can shape faithfully (~{format_rate(ceiling)} with {os.cpu_count()} cores); use a slower "
+                "profile or set HARNESS_MAX_RATE if you have measured that your machine keeps up")

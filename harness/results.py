@@ -1,0 +1,157 @@
+"""One folder per run: config.json, environment.json, events/, logs/, summary.json.
+
+The folder is built under a hidden staging name next to its final place and renamed into place at the end, so a
+results folder either holds a finished run (status "ok" or "failed") or does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from harness.config import RunConfig
+from harness.metrics import read_events
+from trainers.models import count_parameters, get_model_config
+
+DEFAULT_RUNS_DIR = Path("results") / "runs"
+SUMMARY_SCHEMA = 1
+
+
+class ResultsError(ValueError):
+    """The results folder cannot be written; the message names the fix."""
+
+
+class RunFolder:
+    def __init__(self, final: Path):
+        self.final = final
+        self.staging = final.parent / f".{final.name}.partial"
+
+    def check(self) -> None:
+        """Refuse, before anything is created, a folder that exists or a place we cannot write."""
+        if self.final.exists():
+            raise ResultsError(f"results folder {self.final} already exists; pass another --out or remove it")
+        ancestor = self.final.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+            raise ResultsError(f"cannot write results under {self.final.parent} ({ancestor} is not writable); "
+                               "pass a writable --out")
+
+    def create(self) -> Path:
+        self.staging.mkdir(parents=True)
+        return self.staging
+
+    def write_json(self, name: str, data: dict[str, Any]) -> None:
+        tmp = self.staging / f".{name}.tmp"
+        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        os.replace(tmp, self.staging / name)
+
+    def commit(self) -> Path:
+        os.replace(self.staging, self.final)
+        return self.final
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment(extra: dict[str, Any]) -> dict[str, Any]:
+    """What the numbers depend on: code version, packages, kernel, machine; plus the backend's own record."""
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(dirty) if dirty is not None else None,
+        "python": platform.python_version(),
+        "packages": {p: _version(p) for p in ("harness", "torch", "numpy", "pyroute2", "click")},
+        "kernel": platform.release(),
+        "machine": platform.machine(),
+        "hostname": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "euid": os.geteuid(),
+        **extra,
+    }
+
+
+def _rank_results(run_dir: Path, world_size: int) -> dict[int, dict[str, Any]]:
+    found = {}
+    for rank in range(world_size):
+        path = run_dir / "ranks" / f"rank{rank}.json"
+        if path.exists():
+            found[rank] = json.loads(path.read_text())
+    return found
+
+
+def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_record: dict[str, Any]) -> dict:
+    """summary.json: the run's headline figures, from the ranks' results and events."""
+    world = config.clusters * config.stages
+    ranks = _rank_results(run_dir, world)
+    events = {r: read_events(run_dir / "events" / f"rank{r}.jsonl") for r in range(world)}
+    steps = [e for e in events[0] if e["kind"] == "step"]
+    syncs = [e for e in steps if "sync_payload_bytes" in e]
+    last_stage = [c * config.stages + config.stages - 1 for c in range(config.clusters)]
+    first_stage = [c * config.stages for c in range(config.clusters)]
+    evals = [e for e in events[last_stage[0]] if e["kind"] == "eval"]
+    status = "ok" if failure is None and len(ranks) == world else "failed"
+    if status == "failed" and failure is None:
+        failure = f"only {len(ranks)} of {world} ranks reported results"
+
+    def from_ranks(key: str, which: list[int]) -> list:
+        return [ranks[r][key] for r in which if r in ranks and ranks[r].get(key) is not None]
+
+    window_s = ranks.get(0, {}).get("window_s")
+    window_tokens = ranks.get(0, {}).get("window_tokens")
+    train_losses = from_ranks("final_train_loss", last_stage)
+    wire = from_ranks("wire_bytes", first_stage)
+    tokens = steps[-1]["tokens"] if steps else 0
+    summary = {
+        "schema": SUMMARY_SCHEMA,
+        "run_id": config.run_id,
+        "status": status,
+        "failure": failure,
+        "method": config.method,
+        "method_options": config.method_options,
+        "profile": config.profile.name,
+        "link_rate_bps": config.profile.inter_cluster.rate_bps,
+        "backend": config.backend,
+        "clusters": config.clusters,
+        "stages": config.stages,
+        "model": config.train.model,
+        "param_count": count_parameters(get_model_config(config.train.model)),
+        "seed": config.train.seed,
+        "steps": len(steps),
+        "tokens": tokens,
+        "throughput_warmup_steps": config.train.throughput_warmup_steps,
+        "wall_s": (steps[-1]["t"] - steps[0]["t"] + steps[0]["step_s"]) if steps else None,
+        "tokens_per_s": window_tokens / window_s if window_s else None,
+        "wire_bytes": sum(wire) if len(wire) == config.clusters and config.clusters > 1 else None,
+        "wire_bytes_per_token": sum(wire) / tokens if wire and tokens and config.clusters > 1 else None,
+        "payload_bytes": sum(e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r]
+                             if e["kind"] == "step"),
+        "sync_count": len(syncs),
+        "comm_blocked_s": sum(e["sync_blocked_s"] for e in syncs),
+        "comm_overlapped_s": sum(e["sync_overlapped_s"] for e in syncs),
+        "final_train_loss": sum(train_losses) / len(train_losses) if train_losses else None,
+        "final_val_loss": evals[-1]["val_loss"] if evals else None,
+        "initial_val_loss": evals[0]["val_loss"] if evals else None,
+        "optimizer_state_bytes_per_rank": [ranks[r].get("optimizer_state_bytes") for r in sorted(ranks)],
+        "link_busbw_bps": ranks.get(0, {}).get("link_busbw_bps"),
+        **backend_record,
+    }
+    return summary

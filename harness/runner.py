@@ -1,0 +1,186 @@
+"""One run, start to end: validate, build the cluster, start the ranks, watch them, tear down, summarize.
+
+Everything a user can get wrong is checked in `validate` before anything is created on the host. After that,
+teardown is unconditional: workers are stopped and the cluster removed on success, on a failed rank, on Ctrl-C and
+on SIGTERM, and the results folder is finalized with status "ok" or "failed" either way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.backends.netns import NetnsCluster
+from harness.config import RunConfig
+from harness.metrics import EventTail, read_events
+from harness.profiles import ProfileError, check_shapeable, format_rate
+from harness.results import DEFAULT_RUNS_DIR, RunFolder, environment, summarize
+from harness.shaping import probe_qdiscs
+from harness.topology import Topology
+from trainers.models import get_model_config
+from trainers.registry import method_config
+
+MASTER_PORT = 29500
+# How long a stopped worker gets to exit before SIGKILL.
+STOP_GRACE_S = 3.0
+
+
+class RunError(ValueError):
+    """Bad input, found before anything was created."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the harness."""
+
+
+def validate(config: RunConfig, out: Path | None) -> RunFolder:
+    """Check everything the user chose, in one place, before the host is touched; returns the results folder."""
+    try:
+        Topology(config.clusters, config.stages)
+        config.train.validate()
+        model_cfg = get_model_config(config.train.model)
+        if config.train.seq_len > model_cfg.max_seq_len:
+            raise ValueError(f"--seq-len {config.train.seq_len} exceeds model {model_cfg.name!r}'s "
+                             f"{model_cfg.max_seq_len}; use a shorter one")
+        if config.stages > 1:
+            from trainers.pipeline import validate_pipeline
+
+            validate_pipeline(model_cfg, config.stages, config.train.microbatches or config.stages,
+                              config.train.batch_size)
+        method_config(config.method, config.method_options)
+        check_shapeable(config.profile)
+    except (ValueError, ProfileError) as err:
+        raise RunError(str(err)) from None
+    if config.backend != "netns":
+        raise RunError(f"backend {config.backend!r} is not available yet; use --backend netns")
+    if config.profile.needs_netem and not probe_qdiscs(os.geteuid() != 0)["netem"]:
+        raise RunError(f"profile {config.profile.name!r} asks for delay, jitter or loss, but this kernel has no "
+                       "sch_netem; load it (modprobe sch_netem) or use a rate-only profile")
+    folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
+    try:
+        folder.check()
+    except ValueError as err:
+        raise RunError(str(err)) from None
+    return folder
+
+
+_RUNNER_PID = os.getpid()
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    # pyroute2 forks helpers into namespaces; they inherit this handler and must just die, not finalize the run.
+    if os.getpid() != _RUNNER_PID:
+        os._exit(128 + signum)
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> str:
+    where = f"rank {rank} (cluster {topology.cluster_of(rank)}, stage {topology.stage_of(rank)})"
+    if code < 0:
+        return f"{where} was killed by {signal.Signals(-code).name}"
+    errors = [e for e in read_events(run_dir / "events" / f"rank{rank}.jsonl") if e["kind"] == "error"]
+    reason = f": {errors[-1]['error']}" if errors else f"; see logs/rank{rank}.log"
+    return f"{where} exited with code {code}{reason}"
+
+
+def run(config: RunConfig, out: Path | None = None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run one benchmark; returns summary.json's content (with "results_dir")."""
+    folder = validate(config, out)
+    topology = Topology(config.clusters, config.stages)
+    cluster = NetnsCluster(config.run_key, topology, config.profile)
+    run_dir = folder.create()
+    config.save(run_dir / "config.json")
+    (run_dir / "logs").mkdir()
+    procs: dict[int, subprocess.Popen] = {}
+    failure: str | None = None
+    record: dict[str, Any] = {}
+    qdiscs: list[dict] = []
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.up()
+        record["cluster_setup_s"] = cluster.setup_s
+        qdiscs = cluster.kernel_qdiscs()
+        wire_before = cluster.wire_bytes()
+        for rank in range(topology.world_size):
+            env = {**os.environ, **cluster.worker_env(rank), "RANK": str(rank),
+                   "WORLD_SIZE": str(topology.world_size), "MASTER_ADDR": topology.master_address,
+                   "MASTER_PORT": str(MASTER_PORT), "PYTHONUNBUFFERED": "1"}
+            argv = cluster.worker_command(rank, [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)])
+            with open(run_dir / "logs" / f"rank{rank}.log", "wb") as log:
+                # A session of their own: Ctrl-C reaches the harness only, which then stops them in order.
+                procs[rank] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+        failure = _watch(procs, topology, run_dir, config, cluster, on_progress)
+        record["wire_bytes_run"] = cluster.wire_bytes() - wire_before
+    except Interrupted as sig:
+        failure = f"interrupted by {sig} during the run"
+    except Exception as err:
+        failure = f"harness error: {type(err).__name__}: {err}"
+        raise
+    finally:
+        try:
+            _stop(procs)
+            cluster.down()
+            record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
+            summary = summarize(config, run_dir, failure, record)
+            folder.write_json("environment.json", environment({
+                "backend": config.backend, "applied_qdiscs": cluster.applied_qdiscs,
+                "kernel_qdiscs": qdiscs}))
+            folder.write_json("summary.json", summary)
+            final = folder.commit()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    summary["results_dir"] = str(final)
+    return summary
+
+
+def _watch(procs: dict[int, subprocess.Popen], topology: Topology, run_dir: Path, config: RunConfig,
+           cluster: NetnsCluster, on_progress: Callable[[dict[str, Any]], None] | None) -> str | None:
+    """Wait for every rank; the first rank that fails fails the run (the others would hang in collectives)."""
+    tail = EventTail(run_dir / "events" / f"rank{topology.world_size - 1}.jsonl")
+    last_wire, last_t = cluster.wire_bytes(), time.monotonic()
+    latest: dict[str, Any] = {}
+    while True:
+        for rank, proc in procs.items():
+            code = proc.poll()
+            if code not in (None, 0):
+                return _describe_exit(rank, code, topology, run_dir)
+        if all(p.poll() == 0 for p in procs.values()):
+            return None
+        time.sleep(0.25)
+        if on_progress is None:
+            continue
+        for event in tail:
+            if event["kind"] == "step":
+                latest.update(event)
+            elif event["kind"] == "eval":
+                latest["val_loss"] = event["val_loss"]
+        now, wire = time.monotonic(), cluster.wire_bytes()
+        rate = config.profile.inter_cluster.rate_bps
+        link_bps = (wire - last_wire) * 8 / max(now - last_t, 1e-6)
+        last_wire, last_t = wire, now
+        on_progress({**latest, "total_steps": config.train.steps, "link_bps": link_bps,
+                     "link_utilisation": link_bps / (rate * topology.clusters) if rate else None,
+                     "link": format_rate(rate) if rate else "unshaped"})
+
+
+def _stop(procs: dict[int, subprocess.Popen]) -> None:
+    """SIGTERM every live worker, then SIGKILL what is left after the grace period; reap them all."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

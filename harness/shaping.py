@@ -1,0 +1,99 @@
+"""LinkSpec -> qdiscs on one interface, through netlink (pyroute2).
+
+A rate alone becomes a tbf root qdisc. Delay, jitter or loss need sch_netem: netem becomes the root and tbf its
+child, so packets are delayed and then rate-limited. Kernels without sch_netem are detected up front (see
+`probe_qdiscs`) and such profiles are refused before anything is created; nothing here degrades silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+
+from pyroute2 import IPRoute
+
+from harness.profiles import LinkSpec
+
+# qdisc kinds a profile may need, probed by creating each on a loopback inside a throwaway namespace.
+PROBED_QDISCS = ("tbf", "htb", "netem")
+
+_PROBE = r"""
+import json
+from pyroute2 import IPRoute
+found = {}
+with IPRoute() as ip:
+    lo = ip.link_lookup(ifname="lo")[0]
+    for kind, kwargs in [("tbf", dict(rate="1mbit", burst=16384, latency="50ms")), ("htb", dict(default=0)),
+                         ("netem", dict(delay=1000))]:
+        try:
+            ip.tc("add", kind, lo, 0x10000, **kwargs)
+            found[kind] = True
+            ip.tc("del", index=lo, handle=0x10000, root=True)
+        except Exception:
+            found[kind] = False
+    try:
+        ip.link("add", ifname="probe-ifb", kind="ifb")
+        found["ifb"] = True
+    except Exception:
+        found["ifb"] = False
+print(json.dumps(found))
+"""
+
+
+@functools.cache
+def probe_qdiscs(userns: bool) -> dict[str, bool]:
+    """Which qdiscs (and IFB) this kernel offers, tested in a private network namespace that vanishes after."""
+    prefix = ["unshare", "--net"] + (["--user", "--map-root-user"] if userns else [])
+    try:
+        out = subprocess.run(prefix + [sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        return json.loads(out)
+    except (subprocess.SubprocessError, OSError, json.JSONDecodeError):
+        return {kind: False for kind in (*PROBED_QDISCS, "ifb")}
+
+
+def _tbf_kwargs(spec: LinkSpec) -> dict:
+    return {
+        "rate": f"{spec.rate_bps}bit",
+        "burst": spec.burst_bytes,
+        "latency": f"{spec.latency_ms * 1000:.0f}us",
+    }
+
+
+def apply_link_spec(ip: IPRoute, ifname: str, spec: LinkSpec) -> list[dict]:
+    """Shape egress of `ifname` (seen through `ip`, an IPRoute or NetNS) and return what was applied."""
+    if not spec.shaped:
+        return []
+    index = ip.link_lookup(ifname=ifname)[0]
+    applied = []
+    if spec.needs_netem:
+        netem = {"delay": int(spec.delay_ms * 1000), "jitter": int(spec.jitter_ms * 1000), "loss": spec.loss_pct}
+        ip.tc("add", "netem", index, 0x10000, **netem)
+        applied.append({"dev": ifname, "kind": "netem", "handle": "1:", "parent": "root", **netem})
+        if spec.rate_bps is not None:
+            ip.tc("add", "tbf", index, 0x100000, parent=0x10001, **_tbf_kwargs(spec))
+            applied.append({"dev": ifname, "kind": "tbf", "handle": "10:", "parent": "1:1", **_tbf_kwargs(spec)})
+    else:
+        ip.tc("add", "tbf", index, 0x10000, **_tbf_kwargs(spec))
+        applied.append({"dev": ifname, "kind": "tbf", "handle": "1:", "parent": "root", **_tbf_kwargs(spec)})
+    return applied
+
+
+def read_qdiscs(ip: IPRoute, ifname: str) -> list[dict]:
+    """The qdiscs the kernel reports on `ifname`, for the results' record of what was really in force."""
+    index = ip.link_lookup(ifname=ifname)[0]
+    found = []
+    for msg in ip.get_qdiscs(index):
+        kind = msg.get_attr("TCA_KIND")
+        entry = {"dev": ifname, "kind": kind, "handle": f"{msg['handle'] >> 16:x}:",
+                 "parent": "root" if msg["parent"] == 0xFFFFFFFF else f"{msg['parent'] >> 16:x}:{msg['parent'] & 0xFFFF:x}"}
+        options = msg.get_attr("TCA_OPTIONS")
+        if kind == "tbf" and options is not None:
+            parms = options.get_attr("TCA_TBF_PARMS")
+            if parms is not None:
+                entry["rate_bps"] = parms["rate"] * 8
+                entry["limit_bytes"] = parms["limit"]
+        found.append(entry)
+    return found

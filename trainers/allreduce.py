@@ -1,0 +1,48 @@
+"""AllReduce: the baseline every low-communication method is measured against.
+
+Every step, the gradients of this stage are averaged over the data-parallel group (the same stage on every
+cluster, across the slow link) in fp32, then the inner AdamW steps. Replicas stay bit-identical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainers.comm import all_reduce_sum, flatten, unflatten_into
+from trainers.method import Method, MethodContext, SyncReport
+from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    """AllReduce has no knobs of its own: fp32 gradients, one flat bucket, every step."""
+
+
+class AllReduce(Method):
+    def __init__(self, ctx: MethodContext, cfg: AllReduceConfig):
+        self.ctx = ctx
+        self.params = ctx.params
+        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+
+    def step(self, step: int) -> SyncReport | None:
+        grads = [p.grad for p in self.params]
+        # One flat bucket: a single large message keeps the link busy instead of paying per-tensor latency.
+        flat = flatten(grads)
+        inflight = all_reduce_sum(flat, self.ctx.data_parallel_group)
+        blocked_s, _ = inflight.wait()
+        unflatten_into(flat / self.ctx.replicas, grads)
+
+        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ctx.data_parallel_group is None:
+            return None
+        return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s)
+
+    def optimizer_state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]

@@ -1,0 +1,54 @@
+"""The training side's configuration: what every method shares. One place where these defaults live.
+
+Method-specific settings live next to the method (each method file defines its own config dataclass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The inner optimizer every method uses: AdamW with linear warm-up then cosine decay (DESIGN.md)."""
+
+    lr: float = 4e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    # Warm-up length as a share of the run, so short CI runs and long benchmarks get the same schedule shape.
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What is trained, on what, for how long. Identical for every method in a comparison."""
+
+    model: str = "tiny"
+    steps: int = 200
+    # Sequences per replica per step; the global batch is clusters x batch_size sequences.
+    batch_size: int = 8
+    # 0 means the model's max_seq_len.
+    seq_len: int = 0
+    seed: int = 0
+    # Pipeline micro-batches per step when stages > 1 (must be >= stages to keep every stage busy).
+    microbatches: int = 0
+    eval_every: int = 50
+    eval_batches: int = 8
+    # Steps excluded from throughput: the first steps pay for allocator warm-up and connection set-up.
+    throughput_warmup_steps: int = 5
+    data: str | None = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1, got {self.batch_size}")
+        if self.seq_len < 0:
+            raise ValueError(f"--seq-len must be positive, got {self.seq_len}")
+        if self.eval_every < 1:
+            raise ValueError(f"--eval-every must be at least 1, got {self.eval_every}")
+        if not 0 <= self.throughput_warmup_steps < self.steps:
+            raise ValueError(f"--warmup-steps must be in [0, steps), got {self.throughput_warmup_steps}")

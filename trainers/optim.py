@@ -1,0 +1,60 @@
+"""Optimizers shared by the methods: the inner AdamW with its schedule, and the outer Nesterov SGD."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from trainers.config import OptimConfig
+
+
+def inner_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, total_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with linear warm-up to cfg.lr, then cosine decay to cfg.lr * cfg.min_lr_ratio at total_steps."""
+    params = list(params)
+    # Norms and biases are not decayed (the usual GPT recipe); they are the 1-D parameters.
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, foreach=True)
+    warmup = max(1, int(cfg.warmup_fraction * total_steps))
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def outer_optimizer(params: Iterable[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum on the global parameters, fed pseudo-gradients."""
+    return torch.optim.SGD(list(params), lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by an optimizer's state tensors (moments, momentum buffers)."""
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pipeline_group: dist.ProcessGroup | None) -> float:
+    """Clip by the norm of the whole replica's gradient, which spans every pipeline stage of the cluster."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    if pipeline_group is not None:
+        dist.all_reduce(sq, group=pipeline_group)
+    norm = sq.sqrt().item()
+    if norm > max_norm:
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    return norm

@@ -1,0 +1,36 @@
+"""Method names -> (config dataclass, method class). The one list of what `--method` accepts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from trainers.allreduce import AllReduce, AllReduceConfig
+from trainers.method import Method, MethodContext
+
+METHODS: dict[str, tuple[type, type[Method]]] = {
+    "allreduce": (AllReduceConfig, AllReduce),
+}
+
+
+def method_names() -> list[str]:
+    return list(METHODS)
+
+
+def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
+    """The validated config of method `name`; options that the method does not have are refused by name."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    config_cls, _ = METHODS[name]
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
+        raise ValueError(f"{flags} does not apply to method {name!r}; its options are: "
+                         f"{', '.join('--' + f.replace('_', '-') for f in sorted(fields)) or 'none'}")
+    return config_cls(**options)
+
+
+def build_method(name: str, config: Any, ctx: MethodContext) -> Method:
+    return METHODS[name][1](ctx, config)

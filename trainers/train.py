@@ -1,0 +1,128 @@
+"""The train loop: the same for every method. Forward and backward here; synchronization in the method.
+
+Every step logs an event; evaluation runs on the method's synchronized parameters at fixed step counts, so every
+method is evaluated at the same token counts on the same held-out batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainers.config import TrainConfig
+from trainers.data import load_corpus, replica_batches, validation_batches
+from trainers.method import MethodContext, SyncReport
+from trainers.models import DecoderLM, count_parameters, get_model_config
+from trainers.pipeline import build_stage
+from trainers.registry import build_method
+
+EventLog = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class ParallelContext:
+    """Where this rank sits: cluster (replica) and pipeline stage, and the groups it talks in."""
+
+    rank: int
+    cluster: int
+    clusters: int
+    stage: int
+    stages: int
+    pipeline_group: dist.ProcessGroup | None
+    data_parallel_group: dist.ProcessGroup | None
+
+
+def _merge_reports(first: SyncReport | None, second: SyncReport | None) -> SyncReport | None:
+    if first is None or second is None:
+        return first or second
+    return SyncReport(first.payload_bytes + second.payload_bytes, first.blocked_s + second.blocked_s,
+                      first.overlapped_s + second.overlapped_s, {**first.fields, **second.fields})
+
+
+def train(cfg: TrainConfig, method_name: str, method_config: Any, par: ParallelContext, log: EventLog,
+          read_wire_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
+    """Train one rank's part of one replica; returns this rank's end-of-run figures."""
+    model_cfg = get_model_config(cfg.model)
+    seq_len = cfg.seq_len or model_cfg.max_seq_len
+    # The same seed on every rank gives every replica identical initial weights without a broadcast.
+    torch.manual_seed(cfg.seed)
+    model = DecoderLM(model_cfg)
+    stage = build_stage(model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages,
+                        "1f1b")
+    corpus = load_corpus(cfg.data)
+    batches = replica_batches(corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed)
+    val_batches = validation_batches(corpus, cfg.batch_size, seq_len, cfg.eval_batches)
+    ctx = MethodContext(list(stage.module.named_parameters()), par.data_parallel_group, par.pipeline_group,
+                        cfg.optim, cfg.steps, cfg.seed)
+    method = build_method(method_name, method_config, ctx)
+    tokens_per_step = par.clusters * cfg.batch_size * seq_len
+
+    log({"kind": "start", "param_count": count_parameters(model_cfg),
+         "stage_param_count": sum(p.numel() for p in ctx.params), "seq_len": seq_len,
+         "tokens_per_step": tokens_per_step, "corpus": corpus.source, "corpus_sha256": corpus.sha256})
+
+    eval_s_total = 0.0
+    val_loss = None
+
+    def evaluate(step: int) -> None:
+        nonlocal eval_s_total, val_loss
+        started = time.perf_counter()
+        with method.eval_parameters():
+            val_loss = stage.evaluate(val_batches)
+        eval_s = time.perf_counter() - started
+        eval_s_total += eval_s
+        log({"kind": "eval", "step": step, "tokens": step * tokens_per_step, "val_loss": val_loss,
+             "eval_s": eval_s})
+
+    evaluate(0)
+    dist.barrier()
+    wire_start = read_wire_bytes() if read_wire_bytes else None
+    window_start = time.perf_counter()
+    eval_s_at_window_start = eval_s_total
+    losses = []
+    for step in range(cfg.steps):
+        started = time.perf_counter()
+        inputs, targets = next(batches)
+        loss = stage.forward_backward(inputs, targets)
+        computed = time.perf_counter()
+        report = method.step(step)
+        if step == cfg.steps - 1:
+            report = _merge_reports(report, method.finish())
+        ended = time.perf_counter()
+        losses.append(loss)
+        event = {"kind": "step", "step": step, "tokens": (step + 1) * tokens_per_step, "loss": loss,
+                 "lr": method.lr, "compute_s": computed - started, "step_s": ended - started}
+        if report is not None:
+            event.update({f"sync_{k}": v for k, v in report.as_event().items()})
+        if read_wire_bytes:
+            event["wire_bytes"] = read_wire_bytes() - wire_start
+        log(event)
+        if step + 1 == cfg.throughput_warmup_steps:
+            window_start = ended
+            eval_s_at_window_start = eval_s_total
+        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+            evaluate(step + 1)
+    window_end = time.perf_counter()
+    dist.barrier()
+    wire_bytes = read_wire_bytes() - wire_start if read_wire_bytes else None
+
+    window_steps = cfg.steps - cfg.throughput_warmup_steps
+    window_s = window_end - window_start - (eval_s_total - eval_s_at_window_start)
+    tail = losses[-min(10, len(losses)):]
+    result = {
+        "final_train_loss": sum(tail) / len(tail),
+        "final_val_loss": val_loss,
+        "window_steps": window_steps,
+        "window_tokens": window_steps * tokens_per_step,
+        "window_s": window_s,
+        "tokens": cfg.steps * tokens_per_step,
+        "optimizer_state_bytes": method.optimizer_state_bytes(),
+        "wire_bytes": wire_bytes,
+    }
+    log({"kind": "end", **result})
+    return result
