@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from harness.backends.netns import PrivilegeError, needs_reexec, reexec_in_user_namespace, REEXEC_MARK
+from harness.backends.netns import REEXEC_MARK, PrivilegeError, needs_reexec, reexec_in_user_namespace
 from harness.config import RunConfig
 from harness.profiles import ProfileError, format_rate, known_profiles, load_profile
 from trainers.config import OptimConfig, TrainConfig
@@ -71,8 +71,9 @@ def method_option_flags(command):
             decl = [f"--{flag}/--no-{flag}"]
             command = click.option(*decl, field_name, default=None, help=f"[{used_by}]")(command)
         else:
-            command = click.option(f"--{flag}", field_name, type=_click_type(kind), default=None,
-                                   help=f"[{used_by}]")(command)
+            command = click.option(
+                f"--{flag}", field_name, type=_click_type(kind), default=None, help=f"[{used_by}]"
+            )(command)
     return command
 
 
@@ -81,20 +82,54 @@ def main() -> None:
     """Benchmark harness for low-communication LLM training over slow, kernel-shaped links."""
 
 
-def _build_config(method: str, profile: str, model: str, clusters: int, stages: int, steps: int | None,
-                  batch_size: int | None, seq_len: int | None, seed: int | None, eval_every: int | None,
-                  throughput_warmup_steps: int | None, microbatches: int | None, data: str | None,
-                  lr: float | None, calibrate: bool, backend: str, mode: str, method_opts: dict) -> RunConfig:
-    train_fields = {"model": model, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "seed": seed,
-                    "eval_every": eval_every, "throughput_warmup_steps": throughput_warmup_steps,
-                    "microbatches": microbatches, "data": data}
-    train = TrainConfig(**{k: v for k, v in train_fields.items() if v is not None},
-                        optim=OptimConfig() if lr is None else OptimConfig(lr=lr))
+def _build_config(
+    method: str,
+    profile: str,
+    model: str,
+    clusters: int,
+    stages: int,
+    steps: int | None,
+    batch_size: int | None,
+    seq_len: int | None,
+    seed: int | None,
+    eval_every: int | None,
+    throughput_warmup_steps: int | None,
+    microbatches: int | None,
+    data: str | None,
+    lr: float | None,
+    calibrate: bool,
+    backend: str,
+    mode: str,
+    method_opts: dict,
+) -> RunConfig:
+    train_fields = {
+        "model": model,
+        "steps": steps,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "seed": seed,
+        "eval_every": eval_every,
+        "throughput_warmup_steps": throughput_warmup_steps,
+        "microbatches": microbatches,
+        "data": data,
+    }
+    train = TrainConfig(
+        **{k: v for k, v in train_fields.items() if v is not None},
+        optim=OptimConfig() if lr is None else OptimConfig(lr=lr),
+    )
     if train.throughput_warmup_steps >= train.steps and throughput_warmup_steps is None:
         train = dataclasses.replace(train, throughput_warmup_steps=train.steps // 10)
-    return RunConfig(method=method, profile=load_profile(profile), train=train,
-                     method_options={k: v for k, v in method_opts.items() if v is not None},
-                     backend=backend, clusters=clusters, stages=stages, mode=mode, calibrate=calibrate)
+    return RunConfig(
+        method=method,
+        profile=load_profile(profile),
+        train=train,
+        method_options={k: v for k, v in method_opts.items() if v is not None},
+        backend=backend,
+        clusters=clusters,
+        stages=stages,
+        mode=mode,
+        calibrate=calibrate,
+    )
 
 
 def _reexec_if_unprivileged() -> None:
@@ -109,9 +144,15 @@ def _reexec_if_unprivileged() -> None:
 
 
 def _progress_display():
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-                        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console,
-                        transient=False)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
     task = progress.add_task("starting", total=None, status="building cluster...")
 
     def update(state: dict[str, Any]) -> None:
@@ -123,10 +164,17 @@ def _progress_display():
         if state.get("step_s"):
             parts.append(f"{state['tokens'] / max(state['step'] + 1, 1) / state['step_s']:,.0f} tok/s")
         util = state.get("link_utilisation")
-        parts.append(f"link {format_rate(state['link_bps'])}"
-                     + (f" ({util:.0%} of {state['link']})" if util is not None else ""))
-        progress.update(task, description=f"step {state['step'] + 1}/{state['total_steps']}",
-                        completed=state["step"] + 1, total=state["total_steps"], status="  ".join(parts))
+        parts.append(
+            f"link {format_rate(state['link_bps'])}"
+            + (f" ({util:.0%} of {state['link']})" if util is not None else "")
+        )
+        progress.update(
+            task,
+            description=f"step {state['step'] + 1}/{state['total_steps']}",
+            completed=state["step"] + 1,
+            total=state["total_steps"],
+            status="  ".join(parts),
+        )
 
     return progress, update
 
@@ -135,19 +183,37 @@ def _print_summary(summary: dict[str, Any]) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     rows = [
         ("status", summary["status"] + (f" - {summary['failure']}" if summary.get("failure") else "")),
-        ("method / profile", f"{summary['method']} on {summary['profile']} "
-                             f"({summary['clusters']} clusters x {summary['stages']} stages, {summary['backend']})"),
+        (
+            "method / profile",
+            f"{summary['method']} on {summary['profile']} "
+            f"({summary['clusters']} clusters x {summary['stages']} stages, {summary['backend']})",
+        ),
         ("model", f"{summary['model']} ({summary['param_count'] / 1e6:.2f}M parameters)"),
         ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,}"),
         ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s" if summary.get("tokens_per_s") else "-"),
-        ("loss", f"train {summary['final_train_loss']:.3f}, val {summary['initial_val_loss']:.3f} -> "
-                 f"{summary['final_val_loss']:.3f}" if summary.get("final_val_loss") else "-"),
-        ("wire bytes", f"{summary['wire_bytes']:,} ({summary['wire_bytes_per_token']:.1f} per token; "
-                       f"method payload {summary['payload_bytes']:,})" if summary.get("wire_bytes") else "-"),
+        (
+            "loss",
+            f"train {summary['final_train_loss']:.3f}, val {summary['initial_val_loss']:.3f} -> "
+            f"{summary['final_val_loss']:.3f}"
+            if summary.get("final_val_loss")
+            else "-",
+        ),
+        (
+            "wire bytes",
+            f"{summary['wire_bytes']:,} ({summary['wire_bytes_per_token']:.1f} per token; "
+            f"method payload {summary['payload_bytes']:,})"
+            if summary.get("wire_bytes")
+            else "-",
+        ),
     ]
     if summary.get("link_busbw_bps"):
-        rows.append(("link busbw", f"{format_rate(summary['link_busbw_bps'])} measured vs "
-                                   f"{format_rate(summary['link_rate_bps'])} configured"))
+        rows.append(
+            (
+                "link busbw",
+                f"{format_rate(summary['link_busbw_bps'])} measured vs "
+                f"{format_rate(summary['link_rate_bps'])} configured",
+            )
+        )
     for key, value in rows:
         table.add_row(f"[bold]{key}[/bold]", value)
     console.print(table)
@@ -161,28 +227,73 @@ def _print_summary(summary: dict[str, Any]) -> None:
 @click.option("--clusters", default=2, show_default=True, help="Sites joined by the shaped link.")
 @click.option("--stages", default=1, show_default=True, help="Pipeline stages (ranks) per cluster.")
 @click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}].")
-@click.option("--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}].")
+@click.option(
+    "--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}]."
+)
 @click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context].")
 @click.option("--seed", type=int, help=f"Seed for weights and data order [default: {TrainConfig.seed}].")
-@click.option("--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}].")
-@click.option("--throughput-warmup-steps", type=int,
-              help=f"Steps left out of tokens/s [default: {TrainConfig.throughput_warmup_steps}].")
+@click.option(
+    "--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}]."
+)
+@click.option(
+    "--throughput-warmup-steps",
+    type=int,
+    help=f"Steps left out of tokens/s [default: {TrainConfig.throughput_warmup_steps}].",
+)
 @click.option("--microbatches", type=int, help="Pipeline micro-batches per step [default: --stages].")
 @click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}].")
 @click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib].")
-@click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>]."
+)
 @click.option("--calibrate", is_flag=True, help="Measure the link's all-reduce busbw before training.")
 @click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
 @method_option_flags
-def run(method, profile, model, clusters, stages, steps, batch_size, seq_len, seed, eval_every,
-        throughput_warmup_steps, microbatches, lr, data, out, calibrate, backend, **method_opts):
+def run(
+    method,
+    profile,
+    model,
+    clusters,
+    stages,
+    steps,
+    batch_size,
+    seq_len,
+    seed,
+    eval_every,
+    throughput_warmup_steps,
+    microbatches,
+    lr,
+    data,
+    out,
+    calibrate,
+    backend,
+    **method_opts,
+):
     """Train one method on the emulated cluster and write a results folder."""
-    from harness.runner import RunError, run as run_benchmark, validate
+    from harness.runner import RunError, validate
+    from harness.runner import run as run_benchmark
 
     try:
-        config = _build_config(method, profile, model, clusters, stages, steps, batch_size, seq_len, seed,
-                               eval_every, throughput_warmup_steps, microbatches, data, lr, calibrate, backend,
-                               "train", method_opts)
+        config = _build_config(
+            method,
+            profile,
+            model,
+            clusters,
+            stages,
+            steps,
+            batch_size,
+            seq_len,
+            seed,
+            eval_every,
+            throughput_warmup_steps,
+            microbatches,
+            data,
+            lr,
+            calibrate,
+            backend,
+            "train",
+            method_opts,
+        )
         validate(config, out)
     except (ProfileError, RunError, ValueError) as err:
         _fail(str(err))
@@ -197,14 +308,35 @@ def run(method, profile, model, clusters, stages, steps, batch_size, seq_len, se
 @main.command()
 @click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
 @click.option("--clusters", default=2, show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>]."
+)
 def calibrate(profile, clusters, out):
     """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
-    from harness.runner import RunError, run as run_benchmark, validate
+    from harness.runner import RunError, validate
+    from harness.runner import run as run_benchmark
 
     try:
-        config = _build_config("allreduce", profile, TrainConfig.model, clusters, 1, None, None, None, None, None,
-                               None, None, None, None, True, "netns", "calibrate", {})
+        config = _build_config(
+            "allreduce",
+            profile,
+            TrainConfig.model,
+            clusters,
+            1,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            True,
+            "netns",
+            "calibrate",
+            {},
+        )
         validate(config, out)
         if clusters < 2:
             raise ValueError("calibration measures the link between clusters; use --clusters 2 or more")
@@ -216,8 +348,10 @@ def calibrate(profile, clusters, out):
         _fail(f"calibration failed: {summary['failure']} (results: {summary['results_dir']})")
     busbw, rate = summary["link_busbw_bps"], summary["link_rate_bps"]
     ratio = f" = {busbw / rate:.3f} of the configured rate" if rate else ""
-    console.print(f"profile {summary['profile']}: all-reduce busbw {format_rate(busbw)} across {clusters} clusters, "
-                  f"configured {format_rate(rate) if rate else 'unshaped'}{ratio}")
+    console.print(
+        f"profile {summary['profile']}: all-reduce busbw {format_rate(busbw)} across {clusters} clusters, "
+        f"configured {format_rate(rate) if rate else 'unshaped'}{ratio}"
+    )
     console.print(f"results: {summary['results_dir']}")
 
 
@@ -249,6 +383,16 @@ def profiles_show(name: str) -> None:
     console.print(f"# inter-cluster: {p.inter_cluster.describe()}", highlight=False)
     console.print(f"# intra-cluster: {p.intra_cluster.describe()}", highlight=False)
     console.print(yaml.safe_dump({"parsed": p.to_dict()}, sort_keys=False).rstrip(), highlight=False)
+
+
+@main.command()
+@click.option("--run-key", help="Only this run's namespaces (the hx...... prefix in config.json's run_key).")
+def cleanup(run_key: str | None) -> None:
+    """Remove namespaces left by a harness that was killed with SIGKILL (never those of a live run)."""
+    from harness.backends.netns import cleanup as cleanup_namespaces
+
+    removed = cleanup_namespaces(run_key)
+    console.print(f"removed {len(removed)} namespace(s)" + (f": {', '.join(removed)}" if removed else ""))
 
 
 @main.command()

@@ -50,8 +50,13 @@ class RunConfig:
     def load(cls, path: Path) -> RunConfig:
         data = json.loads(path.read_text())
         prof = data.pop("profile")
-        profile = Profile(prof["name"], prof["description"], LinkSpec(**prof["inter_cluster"]),
-                          LinkSpec(**prof["intra_cluster"]), prof["source"])
+        profile = Profile(
+            prof["name"],
+            prof["description"],
+            LinkSpec(**prof["inter_cluster"]),
+            LinkSpec(**prof["intra_cluster"]),
+            prof["source"],
+        )
         train = data.pop("train")
         optim = train.pop("optim")
         optim["betas"] = tuple(optim["betas"])

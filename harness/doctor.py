@@ -52,25 +52,65 @@ def diagnose() -> list[Check]:
     gpus = _gpus()
     tools = [t for t in ("unshare", "nsenter") if shutil.which(t) is None]
     return [
-        Check("privileges", root or userns,
-              "root" if root else ("user namespaces" if userns else "neither root nor user namespaces"),
-              "the netns backend can build clusters" if root or userns
-              else "the netns backend cannot run: use root or enable unprivileged user namespaces"),
-        Check("util-linux", not tools, "unshare and nsenter found" if not tools else f"missing: {', '.join(tools)}",
-              "needed to enter namespaces" if not tools else "install util-linux"),
-        Check("tbf", qdiscs["tbf"], "sch_tbf", "rate-only profiles work" if qdiscs["tbf"]
-              else "no rate shaping: only the 'unshaped' profile works"),
+        Check(
+            "privileges",
+            root or userns,
+            "root" if root else ("user namespaces" if userns else "neither root nor user namespaces"),
+            "the netns backend can build clusters"
+            if root or userns
+            else "the netns backend cannot run: use root or enable unprivileged user namespaces",
+        ),
+        Check(
+            "util-linux",
+            not tools,
+            "unshare and nsenter found" if not tools else f"missing: {', '.join(tools)}",
+            "needed to enter namespaces" if not tools else "install util-linux",
+        ),
+        Check(
+            "tbf",
+            qdiscs["tbf"],
+            "sch_tbf",
+            "rate-only profiles work"
+            if qdiscs["tbf"]
+            else "no rate shaping: only the 'unshaped' profile works",
+        ),
         Check("htb", qdiscs["htb"], "sch_htb", "available (the harness shapes with tbf)"),
-        Check("netem", qdiscs["netem"], "sch_netem", "profiles with delay, jitter or loss work" if qdiscs["netem"]
-              else "profiles with delay, jitter or loss are refused (modprobe sch_netem to enable)"),
-        Check("ifb", qdiscs["ifb"], "IFB devices", "ingress redirection possible (not needed: both veth ends "
-              "are shaped)"),
-        Check("rate ceiling", True, f"~{format_rate(max_shapeable_rate_bps())} ({os.cpu_count()} cores)",
-              "faster profiles are refused: the CPU, not the qdisc, would set the rate"),
-        Check("docker", docker_ok, docker_detail,
-              "--backend docker can run" if docker_ok else "--backend docker is unavailable"),
-        Check("nvidia runtime", nvidia, "present" if nvidia else "absent",
-              "containers can get GPUs" if nvidia else "docker workers run on CPU"),
-        Check("GPUs", bool(gpus), ", ".join(gpus) or "none visible to torch",
-              "workers use NCCL on CUDA" if gpus else "workers use gloo on CPU"),
+        Check(
+            "netem",
+            qdiscs["netem"],
+            "sch_netem",
+            "profiles with delay, jitter or loss work"
+            if qdiscs["netem"]
+            else "profiles with delay, jitter or loss are refused (modprobe sch_netem to enable)",
+        ),
+        Check(
+            "ifb",
+            qdiscs["ifb"],
+            "IFB devices",
+            "ingress redirection possible (not needed: both veth ends are shaped)",
+        ),
+        Check(
+            "rate ceiling",
+            True,
+            f"~{format_rate(max_shapeable_rate_bps())} ({os.cpu_count()} cores)",
+            "faster profiles are refused: the CPU, not the qdisc, would set the rate",
+        ),
+        Check(
+            "docker",
+            docker_ok,
+            docker_detail,
+            "--backend docker can run" if docker_ok else "--backend docker is unavailable",
+        ),
+        Check(
+            "nvidia runtime",
+            nvidia,
+            "present" if nvidia else "absent",
+            "containers can get GPUs" if nvidia else "docker workers run on CPU",
+        ),
+        Check(
+            "GPUs",
+            bool(gpus),
+            ", ".join(gpus) or "none visible to torch",
+            "workers use NCCL on CUDA" if gpus else "workers use gloo on CPU",
+        ),
     ]

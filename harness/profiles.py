@@ -36,16 +36,19 @@ def _parse(value: object, units: dict[str, float], what: str, example: str) -> f
     text = str(value).strip().lower()
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z%]*)", text)
     if not match or match.group(2) not in units:
-        raise ProfileError(f"{what} {value!r} is not understood; write a number with a unit, e.g. {example} "
-                           f"(units: {', '.join(units)})")
+        raise ProfileError(
+            f"{what} {value!r} is not understood; write a number with a unit, e.g. {example} "
+            f"(units: {', '.join(units)})"
+        )
     return float(match.group(1)) * units[match.group(2)]
 
 
 def parse_rate_bps(value: object) -> int:
     rate = _parse(value, _RATE_UNITS, "rate", "1gbit or 500mbit")
     if rate < MIN_RATE_BPS:
-        raise ProfileError(f"rate {value!r} is below the {MIN_RATE_BPS // 1000} kbit/s that tbf can shape; "
-                           "use a larger rate")
+        raise ProfileError(
+            f"rate {value!r} is below the {MIN_RATE_BPS // 1000} kbit/s that tbf can shape; use a larger rate"
+        )
     return int(rate)
 
 
@@ -94,7 +97,9 @@ class LinkSpec:
         if self.rate_bps is not None:
             parts.append(f"{format_rate(self.rate_bps)} (burst {self.burst_bytes // 1024} KiB)")
         if self.delay_ms:
-            parts.append(f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else ""))
+            parts.append(
+                f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else "")
+            )
         if self.loss_pct:
             parts.append(f"loss {self.loss_pct:g}%")
         return ", ".join(parts)
@@ -104,7 +109,9 @@ class LinkSpec:
         if data is None:
             return cls()
         if not isinstance(data, dict):
-            raise ProfileError(f"{where} must be a mapping of {sorted(_LINK_KEYS)}, got {type(data).__name__}")
+            raise ProfileError(
+                f"{where} must be a mapping of {sorted(_LINK_KEYS)}, got {type(data).__name__}"
+            )
         unknown = set(data) - _LINK_KEYS
         if unknown:
             raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_LINK_KEYS)}")
@@ -164,13 +171,17 @@ def load_profile(name_or_path: str) -> Profile:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         if not path.is_file():
-            raise ProfileError(f"profile file {name_or_path} does not exist; pass a YAML file or one of: "
-                               f"{', '.join(known_profiles())}")
+            raise ProfileError(
+                f"profile file {name_or_path} does not exist; pass a YAML file or one of: "
+                f"{', '.join(known_profiles())}"
+            )
     else:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
         if not path.is_file():
-            raise ProfileError(f"unknown profile {name_or_path!r}; known profiles: {', '.join(known_profiles())} "
-                               "(or pass a path to your own YAML)")
+            raise ProfileError(
+                f"unknown profile {name_or_path!r}; known profiles: {', '.join(known_profiles())} "
+                "(or pass a path to your own YAML)"
+            )
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
@@ -181,7 +192,9 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(f"profile {path} must be a YAML mapping with keys {sorted(_PROFILE_KEYS)}")
     unknown = set(data) - _PROFILE_KEYS
     if unknown:
-        raise ProfileError(f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
+        raise ProfileError(
+            f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}"
+        )
     return Profile(
         name=path.stem,
         description=str(data.get("description", "")),
@@ -206,4 +219,5 @@ def check_shapeable(profile: Profile) -> None:
             raise ProfileError(
                 f"profile {profile.name!r} asks for {format_rate(spec.rate_bps)} on {which}, more than this "
                 f"machine can shape faithfully (~{format_rate(ceiling)} with {os.cpu_count()} cores); use a slower "
-                "profile or set HARNESS_MAX_RATE if you have measured that your machine keeps up")
+                "profile or set HARNESS_MAX_RATE if you have measured that your machine keeps up"
+            )

@@ -39,8 +39,10 @@ class RunFolder:
         while not ancestor.exists():
             ancestor = ancestor.parent
         if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
-            raise ResultsError(f"cannot write results under {self.final.parent} ({ancestor} is not writable); "
-                               "pass a writable --out")
+            raise ResultsError(
+                f"cannot write results under {self.final.parent} ({ancestor} is not writable); "
+                "pass a writable --out"
+            )
 
     def create(self) -> Path:
         self.staging.mkdir(parents=True)
@@ -142,8 +144,9 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "tokens_per_s": window_tokens / window_s if window_s else None,
         "wire_bytes": sum(wire) if len(wire) == config.clusters and config.clusters > 1 else None,
         "wire_bytes_per_token": sum(wire) / tokens if wire and tokens and config.clusters > 1 else None,
-        "payload_bytes": sum(e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r]
-                             if e["kind"] == "step"),
+        "payload_bytes": sum(
+            e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r] if e["kind"] == "step"
+        ),
         "sync_count": len(syncs),
         "comm_blocked_s": sum(e["sync_blocked_s"] for e in syncs),
         "comm_overlapped_s": sum(e["sync_overlapped_s"] for e in syncs),

@@ -46,13 +46,16 @@ def validate(config: RunConfig, out: Path | None) -> RunFolder:
         config.train.validate()
         model_cfg = get_model_config(config.train.model)
         if config.train.seq_len > model_cfg.max_seq_len:
-            raise ValueError(f"--seq-len {config.train.seq_len} exceeds model {model_cfg.name!r}'s "
-                             f"{model_cfg.max_seq_len}; use a shorter one")
+            raise ValueError(
+                f"--seq-len {config.train.seq_len} exceeds model {model_cfg.name!r}'s "
+                f"{model_cfg.max_seq_len}; use a shorter one"
+            )
         if config.stages > 1:
             from trainers.pipeline import validate_pipeline
 
-            validate_pipeline(model_cfg, config.stages, config.train.microbatches or config.stages,
-                              config.train.batch_size)
+            validate_pipeline(
+                model_cfg, config.stages, config.train.microbatches or config.stages, config.train.batch_size
+            )
         method_config(config.method, config.method_options)
         check_shapeable(config.profile)
     except (ValueError, ProfileError) as err:
@@ -60,8 +63,10 @@ def validate(config: RunConfig, out: Path | None) -> RunFolder:
     if config.backend != "netns":
         raise RunError(f"backend {config.backend!r} is not available yet; use --backend netns")
     if config.profile.needs_netem and not probe_qdiscs(os.geteuid() != 0)["netem"]:
-        raise RunError(f"profile {config.profile.name!r} asks for delay, jitter or loss, but this kernel has no "
-                       "sch_netem; load it (modprobe sch_netem) or use a rate-only profile")
+        raise RunError(
+            f"profile {config.profile.name!r} asks for delay, jitter or loss, but this kernel has no "
+            "sch_netem; load it (modprobe sch_netem) or use a rate-only profile"
+        )
     folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
     try:
         folder.check()
@@ -89,8 +94,9 @@ def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> s
     return f"{where} exited with code {code}{reason}"
 
 
-def run(config: RunConfig, out: Path | None = None,
-        on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run(
+    config: RunConfig, out: Path | None = None, on_progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Run one benchmark; returns summary.json's content (with "results_dir")."""
     folder = validate(config, out)
     topology = Topology(config.clusters, config.stages)
@@ -109,14 +115,23 @@ def run(config: RunConfig, out: Path | None = None,
         qdiscs = cluster.kernel_qdiscs()
         wire_before = cluster.wire_bytes()
         for rank in range(topology.world_size):
-            env = {**os.environ, **cluster.worker_env(rank), "RANK": str(rank),
-                   "WORLD_SIZE": str(topology.world_size), "MASTER_ADDR": topology.master_address,
-                   "MASTER_PORT": str(MASTER_PORT), "PYTHONUNBUFFERED": "1"}
-            argv = cluster.worker_command(rank, [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)])
+            env = {
+                **os.environ,
+                **cluster.worker_env(rank),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(topology.world_size),
+                "MASTER_ADDR": topology.master_address,
+                "MASTER_PORT": str(MASTER_PORT),
+                "PYTHONUNBUFFERED": "1",
+            }
+            argv = cluster.worker_command(
+                rank, [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)]
+            )
             with open(run_dir / "logs" / f"rank{rank}.log", "wb") as log:
                 # A session of their own: Ctrl-C reaches the harness only, which then stops them in order.
-                procs[rank] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True)
+                procs[rank] = subprocess.Popen(
+                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
         failure = _watch(procs, topology, run_dir, config, cluster, on_progress)
         record["wire_bytes_run"] = cluster.wire_bytes() - wire_before
     except Interrupted as sig:
@@ -130,9 +145,16 @@ def run(config: RunConfig, out: Path | None = None,
             cluster.down()
             record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
             summary = summarize(config, run_dir, failure, record)
-            folder.write_json("environment.json", environment({
-                "backend": config.backend, "applied_qdiscs": cluster.applied_qdiscs,
-                "kernel_qdiscs": qdiscs}))
+            folder.write_json(
+                "environment.json",
+                environment(
+                    {
+                        "backend": config.backend,
+                        "applied_qdiscs": cluster.applied_qdiscs,
+                        "kernel_qdiscs": qdiscs,
+                    }
+                ),
+            )
             folder.write_json("summary.json", summary)
             final = folder.commit()
         finally:
@@ -142,8 +164,14 @@ def run(config: RunConfig, out: Path | None = None,
     return summary
 
 
-def _watch(procs: dict[int, subprocess.Popen], topology: Topology, run_dir: Path, config: RunConfig,
-           cluster: NetnsCluster, on_progress: Callable[[dict[str, Any]], None] | None) -> str | None:
+def _watch(
+    procs: dict[int, subprocess.Popen],
+    topology: Topology,
+    run_dir: Path,
+    config: RunConfig,
+    cluster: NetnsCluster,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+) -> str | None:
     """Wait for every rank; the first rank that fails fails the run (the others would hang in collectives)."""
     tail = EventTail(run_dir / "events" / f"rank{topology.world_size - 1}.jsonl")
     last_wire, last_t = cluster.wire_bytes(), time.monotonic()
@@ -167,9 +195,15 @@ def _watch(procs: dict[int, subprocess.Popen], topology: Topology, run_dir: Path
         rate = config.profile.inter_cluster.rate_bps
         link_bps = (wire - last_wire) * 8 / max(now - last_t, 1e-6)
         last_wire, last_t = wire, now
-        on_progress({**latest, "total_steps": config.train.steps, "link_bps": link_bps,
-                     "link_utilisation": link_bps / (rate * topology.clusters) if rate else None,
-                     "link": format_rate(rate) if rate else "unshaped"})
+        on_progress(
+            {
+                **latest,
+                "total_steps": config.train.steps,
+                "link_bps": link_bps,
+                "link_utilisation": link_bps / (rate * topology.clusters) if rate else None,
+                "link": format_rate(rate) if rate else "unshaped",
+            }
+        )
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:

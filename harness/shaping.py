@@ -47,8 +47,9 @@ def probe_qdiscs(userns: bool) -> dict[str, bool]:
     """Which qdiscs (and IFB) this kernel offers, tested in a private network namespace that vanishes after."""
     prefix = ["unshare", "--net"] + (["--user", "--map-root-user"] if userns else [])
     try:
-        out = subprocess.run(prefix + [sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                             timeout=30, check=True).stdout
+        out = subprocess.run(
+            prefix + [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
         return json.loads(out)
     except (subprocess.SubprocessError, OSError, json.JSONDecodeError):
         return {kind: False for kind in (*PROBED_QDISCS, "ifb")}
@@ -69,12 +70,18 @@ def apply_link_spec(ip: IPRoute, ifname: str, spec: LinkSpec) -> list[dict]:
     index = ip.link_lookup(ifname=ifname)[0]
     applied = []
     if spec.needs_netem:
-        netem = {"delay": int(spec.delay_ms * 1000), "jitter": int(spec.jitter_ms * 1000), "loss": spec.loss_pct}
+        netem = {
+            "delay": int(spec.delay_ms * 1000),
+            "jitter": int(spec.jitter_ms * 1000),
+            "loss": spec.loss_pct,
+        }
         ip.tc("add", "netem", index, 0x10000, **netem)
         applied.append({"dev": ifname, "kind": "netem", "handle": "1:", "parent": "root", **netem})
         if spec.rate_bps is not None:
             ip.tc("add", "tbf", index, 0x100000, parent=0x10001, **_tbf_kwargs(spec))
-            applied.append({"dev": ifname, "kind": "tbf", "handle": "10:", "parent": "1:1", **_tbf_kwargs(spec)})
+            applied.append(
+                {"dev": ifname, "kind": "tbf", "handle": "10:", "parent": "1:1", **_tbf_kwargs(spec)}
+            )
     else:
         ip.tc("add", "tbf", index, 0x10000, **_tbf_kwargs(spec))
         applied.append({"dev": ifname, "kind": "tbf", "handle": "1:", "parent": "root", **_tbf_kwargs(spec)})
@@ -87,8 +94,14 @@ def read_qdiscs(ip: IPRoute, ifname: str) -> list[dict]:
     found = []
     for msg in ip.get_qdiscs(index):
         kind = msg.get_attr("TCA_KIND")
-        entry = {"dev": ifname, "kind": kind, "handle": f"{msg['handle'] >> 16:x}:",
-                 "parent": "root" if msg["parent"] == 0xFFFFFFFF else f"{msg['parent'] >> 16:x}:{msg['parent'] & 0xFFFF:x}"}
+        entry = {
+            "dev": ifname,
+            "kind": kind,
+            "handle": f"{msg['handle'] >> 16:x}:",
+            "parent": "root"
+            if msg["parent"] == 0xFFFFFFFF
+            else f"{msg['parent'] >> 16:x}:{msg['parent'] & 0xFFFF:x}",
+        }
         options = msg.get_attr("TCA_OPTIONS")
         if kind == "tbf" and options is not None:
             parms = options.get_attr("TCA_TBF_PARMS")

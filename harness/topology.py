@@ -26,7 +26,9 @@ class Topology:
             raise ValueError(f"--stages must be at least 1, got {self.stages}")
         hosts = ipaddress.ip_network(self.subnet).num_addresses - 2
         if self.clusters > hosts:
-            raise ValueError(f"--clusters {self.clusters} does not fit in subnet {self.subnet}; use fewer clusters")
+            raise ValueError(
+                f"--clusters {self.clusters} does not fit in subnet {self.subnet}; use fewer clusters"
+            )
 
     @property
     def world_size(self) -> int:

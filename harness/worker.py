@@ -52,9 +52,15 @@ def build_groups(topology: Topology, rank: int) -> ParallelContext:
         group = dist.new_group(ranks) if len(ranks) > 1 else None
         if rank in ranks:
             data_parallel_group = group
-    return ParallelContext(rank=rank, cluster=topology.cluster_of(rank), clusters=topology.clusters,
-                           stage=topology.stage_of(rank), stages=topology.stages,
-                           pipeline_group=pipeline_group, data_parallel_group=data_parallel_group)
+    return ParallelContext(
+        rank=rank,
+        cluster=topology.cluster_of(rank),
+        clusters=topology.clusters,
+        stage=topology.stage_of(rank),
+        stages=topology.stages,
+        pipeline_group=pipeline_group,
+        data_parallel_group=data_parallel_group,
+    )
 
 
 def calibration_bytes(rate_bps: int | None) -> int:
@@ -78,8 +84,16 @@ def calibrate(group: dist.ProcessGroup, rate_bps: int | None, log: EventWriter, 
         times.append(time.perf_counter() - started)
     elapsed = statistics.median(times)
     busbw_bps = nbytes * 8 / elapsed * 2 * (n - 1) / n
-    log({"kind": "calibration", "bytes": nbytes, "iterations": iterations, "times_s": times,
-         "busbw_bps": busbw_bps, "payload_bytes_per_rank": allreduce_payload_bytes(nbytes, n)})
+    log(
+        {
+            "kind": "calibration",
+            "bytes": nbytes,
+            "iterations": iterations,
+            "times_s": times,
+            "busbw_bps": busbw_bps,
+            "payload_bytes_per_rank": allreduce_payload_bytes(nbytes, n),
+        }
+    )
     return busbw_bps
 
 
@@ -109,8 +123,12 @@ def main() -> int:
     torch.set_num_threads(int(os.environ.get("HARNESS_THREADS", max(1, (os.cpu_count() or 1) // world_size))))
     try:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=int(os.environ.get("HARNESS_TIMEOUT_S", 300))))
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=int(os.environ.get("HARNESS_TIMEOUT_S", 300))),
+        )
         par = build_groups(topology, rank)
         if os.environ.get("HARNESS_FAULT"):
             log = _with_fault(log, rank, os.environ["HARNESS_FAULT"])
@@ -120,12 +138,21 @@ def main() -> int:
         result: dict = {}
         if (config.mode == "calibrate" or config.calibrate) and par.data_parallel_group is not None:
             if par.stage == 0:
-                result["link_busbw_bps"] = calibrate(par.data_parallel_group, config.profile.inter_cluster.rate_bps,
-                                                     log)
+                result["link_busbw_bps"] = calibrate(
+                    par.data_parallel_group, config.profile.inter_cluster.rate_bps, log
+                )
             dist.barrier()
         if config.mode == "train":
-            result.update(train(config.train, config.method, method_config(config.method, config.method_options), par, log,
-                                counter.tx_bytes if counter else None))
+            result.update(
+                train(
+                    config.train,
+                    config.method,
+                    method_config(config.method, config.method_options),
+                    par,
+                    log,
+                    counter.tx_bytes if counter else None,
+                )
+            )
         (args.run_dir / "ranks").mkdir(exist_ok=True)
         (args.run_dir / "ranks" / f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()

@@ -23,7 +23,9 @@ class MethodContext:
     """What a method is built from."""
 
     named_params: list[tuple[str, torch.nn.Parameter]]  # this rank's pipeline stage only
-    data_parallel_group: dist.ProcessGroup | None  # same stage on every cluster: the slow link. None: 1 cluster
+    data_parallel_group: (
+        dist.ProcessGroup | None
+    )  # same stage on every cluster: the slow link. None: 1 cluster
     pipeline_group: dist.ProcessGroup | None  # the stages of this cluster: fast links. None: 1 stage
     optim: OptimConfig
     total_steps: int
@@ -48,8 +50,12 @@ class SyncReport:
     fields: dict = field(default_factory=dict)  # method-specific measurements (compression error, rank, ...)
 
     def as_event(self) -> dict:
-        return {"payload_bytes": self.payload_bytes, "blocked_s": self.blocked_s,
-                "overlapped_s": self.overlapped_s, **self.fields}
+        return {
+            "payload_bytes": self.payload_bytes,
+            "blocked_s": self.blocked_s,
+            "overlapped_s": self.overlapped_s,
+            **self.fields,
+        }
 
 
 class Method(ABC):

@@ -48,7 +48,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, pipeline_group: dist.ProcessGroup | None) -> float:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float, pipeline_group: dist.ProcessGroup | None
+) -> float:
     """Clip by the norm of the whole replica's gradient, which spans every pipeline stage of the cluster."""
     grads = [p.grad for p in params if p.grad is not None]
     sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())

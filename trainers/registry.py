@@ -6,10 +6,14 @@ import dataclasses
 from typing import Any
 
 from trainers.allreduce import AllReduce, AllReduceConfig
+from trainers.cocktail import Cocktail, CocktailConfig
+from trainers.diloco import DiLoCo, DiLoCoConfig
 from trainers.method import Method, MethodContext
 
 METHODS: dict[str, tuple[type, type[Method]]] = {
     "allreduce": (AllReduceConfig, AllReduce),
+    "opendiloco": (DiLoCoConfig, DiLoCo),
+    "cocktail": (CocktailConfig, Cocktail),
 }
 
 
@@ -27,8 +31,10 @@ def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
     unknown = sorted(set(options) - fields)
     if unknown:
         flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
-        raise ValueError(f"{flags} does not apply to method {name!r}; its options are: "
-                         f"{', '.join('--' + f.replace('_', '-') for f in sorted(fields)) or 'none'}")
+        raise ValueError(
+            f"{flags} does not apply to method {name!r}; its options are: "
+            f"{', '.join('--' + f.replace('_', '-') for f in sorted(fields)) or 'none'}"
+        )
     return config_cls(**options)
 
 

@@ -40,31 +40,56 @@ class ParallelContext:
 def _merge_reports(first: SyncReport | None, second: SyncReport | None) -> SyncReport | None:
     if first is None or second is None:
         return first or second
-    return SyncReport(first.payload_bytes + second.payload_bytes, first.blocked_s + second.blocked_s,
-                      first.overlapped_s + second.overlapped_s, {**first.fields, **second.fields})
+    return SyncReport(
+        first.payload_bytes + second.payload_bytes,
+        first.blocked_s + second.blocked_s,
+        first.overlapped_s + second.overlapped_s,
+        {**first.fields, **second.fields},
+    )
 
 
-def train(cfg: TrainConfig, method_name: str, method_config: Any, par: ParallelContext, log: EventLog,
-          read_wire_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
+def train(
+    cfg: TrainConfig,
+    method_name: str,
+    method_config: Any,
+    par: ParallelContext,
+    log: EventLog,
+    read_wire_bytes: Callable[[], int] | None = None,
+) -> dict[str, Any]:
     """Train one rank's part of one replica; returns this rank's end-of-run figures."""
     model_cfg = get_model_config(cfg.model)
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     # The same seed on every rank gives every replica identical initial weights without a broadcast.
     torch.manual_seed(cfg.seed)
     model = DecoderLM(model_cfg)
-    stage = build_stage(model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages,
-                        "1f1b")
+    stage = build_stage(
+        model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages, "1f1b"
+    )
     corpus = load_corpus(cfg.data)
     batches = replica_batches(corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed)
     val_batches = validation_batches(corpus, cfg.batch_size, seq_len, cfg.eval_batches)
-    ctx = MethodContext(list(stage.module.named_parameters()), par.data_parallel_group, par.pipeline_group,
-                        cfg.optim, cfg.steps, cfg.seed)
+    ctx = MethodContext(
+        list(stage.module.named_parameters()),
+        par.data_parallel_group,
+        par.pipeline_group,
+        cfg.optim,
+        cfg.steps,
+        cfg.seed,
+    )
     method = build_method(method_name, method_config, ctx)
     tokens_per_step = par.clusters * cfg.batch_size * seq_len
 
-    log({"kind": "start", "param_count": count_parameters(model_cfg),
-         "stage_param_count": sum(p.numel() for p in ctx.params), "seq_len": seq_len,
-         "tokens_per_step": tokens_per_step, "corpus": corpus.source, "corpus_sha256": corpus.sha256})
+    log(
+        {
+            "kind": "start",
+            "param_count": count_parameters(model_cfg),
+            "stage_param_count": sum(p.numel() for p in ctx.params),
+            "seq_len": seq_len,
+            "tokens_per_step": tokens_per_step,
+            "corpus": corpus.source,
+            "corpus_sha256": corpus.sha256,
+        }
+    )
 
     eval_s_total = 0.0
     val_loss = None
@@ -76,8 +101,15 @@ def train(cfg: TrainConfig, method_name: str, method_config: Any, par: ParallelC
             val_loss = stage.evaluate(val_batches)
         eval_s = time.perf_counter() - started
         eval_s_total += eval_s
-        log({"kind": "eval", "step": step, "tokens": step * tokens_per_step, "val_loss": val_loss,
-             "eval_s": eval_s})
+        log(
+            {
+                "kind": "eval",
+                "step": step,
+                "tokens": step * tokens_per_step,
+                "val_loss": val_loss,
+                "eval_s": eval_s,
+            }
+        )
 
     evaluate(0)
     dist.barrier()
@@ -95,8 +127,15 @@ def train(cfg: TrainConfig, method_name: str, method_config: Any, par: ParallelC
             report = _merge_reports(report, method.finish())
         ended = time.perf_counter()
         losses.append(loss)
-        event = {"kind": "step", "step": step, "tokens": (step + 1) * tokens_per_step, "loss": loss,
-                 "lr": method.lr, "compute_s": computed - started, "step_s": ended - started}
+        event = {
+            "kind": "step",
+            "step": step,
+            "tokens": (step + 1) * tokens_per_step,
+            "loss": loss,
+            "lr": method.lr,
+            "compute_s": computed - started,
+            "step_s": ended - started,
+        }
         if report is not None:
             event.update({f"sync_{k}": v for k, v in report.as_event().items()})
         if read_wire_bytes:
@@ -113,7 +152,7 @@ def train(cfg: TrainConfig, method_name: str, method_config: Any, par: ParallelC
 
     window_steps = cfg.steps - cfg.throughput_warmup_steps
     window_s = window_end - window_start - (eval_s_total - eval_s_at_window_start)
-    tail = losses[-min(10, len(losses)):]
+    tail = losses[-min(10, len(losses)) :]
     result = {
         "final_train_loss": sum(tail) / len(tail),
         "final_val_loss": val_loss,

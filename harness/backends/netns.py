@@ -16,6 +16,7 @@ where it may create namespaces, veths and qdiscs; everything it makes there vani
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from harness.topology import Topology
 
 NETNS_DIR = Path(netns.NETNS_RUN_DIR)
 REEXEC_MARK = "HARNESS_IN_USERNS"
+# The names this backend gives its namespaces: the run key ("hx" + 6 hex digits), then the switch or a cluster.
+OWN_NETNS = re.compile(r"^(hx[0-9a-f]{6})-(sw|c[0-9]+)$")
 
 
 class PrivilegeError(RuntimeError):
@@ -39,8 +42,14 @@ class PrivilegeError(RuntimeError):
 
 def user_namespaces_work() -> bool:
     try:
-        return subprocess.run(["unshare", "--user", "--map-root-user", "--net", "--mount", "true"],
-                              capture_output=True, timeout=10).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "--user", "--map-root-user", "--net", "--mount", "true"],
+                capture_output=True,
+                timeout=10,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -53,7 +62,8 @@ def needs_reexec() -> bool:
         raise PrivilegeError(
             "the netns backend needs root or unprivileged user namespaces, and this machine allows neither; "
             "run as root (sudo) or enable them (sysctl kernel.unprivileged_userns_clone=1 / "
-            "user.max_user_namespaces > 0)")
+            "user.max_user_namespaces > 0)"
+        )
     return True
 
 
@@ -63,12 +73,15 @@ def reexec_in_user_namespace(argv: list[str]) -> int:
     /run/netns belongs to the real root, so a private tmpfs is mounted over it (or over /run when it is missing)
     inside the new mount namespace; the host's /run is untouched.
     """
-    mount = ("mount -t tmpfs harness /run/netns 2>/dev/null || "
-             "{ mount -t tmpfs harness /run && mkdir -p /run/netns; }")
+    mount = (
+        "mount -t tmpfs harness /run/netns 2>/dev/null || "
+        "{ mount -t tmpfs harness /run && mkdir -p /run/netns; }"
+    )
     command = f"{mount} && exec {shlex.join([sys.executable, '-m', 'harness.cli', *argv])}"
     env = {**os.environ, REEXEC_MARK: "1"}
-    return subprocess.call(["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command],
-                           env=env)
+    return subprocess.call(
+        ["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command], env=env
+    )
 
 
 class NetnsCluster:
@@ -118,8 +131,12 @@ class NetnsCluster:
             with NetNS(self.cluster_ns(c), flags=0) as ns:
                 ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
                 up = ns.link_lookup(ifname=self.uplink(c))[0]
-                ns.addr("add", index=up, address=self.topology.cluster_address(c),
-                        prefixlen=self.topology.prefix_len)
+                ns.addr(
+                    "add",
+                    index=up,
+                    address=self.topology.cluster_address(c),
+                    prefixlen=self.topology.prefix_len,
+                )
                 ns.link("set", index=up, state="up")
                 self.applied_qdiscs += apply_link_spec(ns, self.uplink(c), inter)
                 # Ranks of one cluster reach each other's uplink address over loopback: that is the intra link.
@@ -165,3 +182,31 @@ class NetnsCluster:
                 pass
         self._created.clear()
         self.teardown_s = time.perf_counter() - started
+
+
+def _processes_in(ns_path: Path) -> list[int]:
+    inode = ns_path.stat().st_ino
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "ns" / "net").stat().st_ino == inode:
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def cleanup(run_key: str | None = None) -> list[str]:
+    """Remove namespaces left by a harness that was killed (SIGKILL leaves no chance to tear down).
+
+    Only names this backend creates are considered, and only those no process still lives in: a namespace of a
+    run in progress is never touched. With `run_key`, only that run's. Returns the names removed.
+    """
+    removed = []
+    for name in sorted(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else []:
+        match = OWN_NETNS.match(name)
+        if not match or (run_key and match.group(1) != run_key) or _processes_in(NETNS_DIR / name):
+            continue
+        netns.remove(name)
+        removed.append(name)
+    return removed

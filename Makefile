@@ -1,0 +1,29 @@
+# Two commands on a fresh machine: `make demo` (set up, then the headline run) and `make test` (set up, then tests).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: demo test setup lint clean
+
+$(BIN)/harness: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first, pinned exactly: a CPU build of 2.13.0 where one is on disk, and nothing newer.
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[dev,docker]"
+	touch $(BIN)/harness
+
+setup: $(BIN)/harness
+
+demo: setup
+	$(BIN)/harness run --profile 1gbps --method allreduce
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,210 @@
+"""CocktailSGD (ICML 2023; reference code DS3Lab/CocktailSGD): every step a compressed model delta, applied
+one step late.
+
+Every replica i trains its own model x_i with the inner AdamW; all replicas keep the same fp32 global model g.
+The first warmup_steps steps average the whole model exactly (blocking fp32 all-reduce: g = x_i = mean_j x_j).
+After that, at step t, right after the inner step:
+
+    1. Finish step t-1, whose gather ran while this step computed. Every rank decodes every rank's payload:
+           U = mean_j D(P_j)                                  the workers' average delta
+           u = D(C_{t-1}(U + s)),  s = U + s - u              the aggregating side: compression, residual s
+           g = g + u
+           x_i = x_i + u - delta_i                            = g + what this step's inner step added
+    2. Send step t:
+           delta_i = x_i - g                                  the model delta since the last global model
+           c = delta_i + e_i,  P_i = C_t(c),  e_i = c - D(P_i)    worker-side error feedback
+       and start all-gathering the P_i without waiting for them.
+
+C_t is the SparseQuantizeCompressor at step t: the rotating random mask (every rank derives the same one from
+t and the seed), top-k within it, int-bits quantization. Each parameter tensor is compressed on its own, as
+CocktailSGD does per parameter, so top-k picks within a tensor and positions mostly fit in 2 bytes; the
+stage's payloads are concatenated into one buffer and gathered with one collective.
+
+Why x_i = x_i + u - delta_i: delta_i, now in flight, leaves x_i's lead over g, and u, the average everyone
+applies, arrives instead. So x_i - g is always the progress of the one step whose delta is not sent yet:
+replicas differ from g (and from each other) by one inner step, and what compression held back waits in e_i,
+not in x_i. With every compression off this is plain averaging of deltas, one step late:
+g after step t+1 = mean_j x_j after step t.
+
+The aggregating side. In CocktailSGD each worker is the server of one shard: it averages the workers'
+compressed shards, compresses that average again with its own residual, and broadcasts it. Here every rank
+gathers every payload, so every rank computes the same average U and runs the server's compression itself;
+the residual s is identical on every rank, and g moves by exactly what the server would have broadcast. With
+an all-gather the second compression saves no bytes (nothing more is sent) and only delays part of U; it is
+kept, as --server-compression (default on), to reproduce CocktailSGD's update; --no-server-compression
+applies U itself. Wire bytes: an all-gather sends (n-1) payloads per rank, CocktailSGD's all-to-all plus
+all-gather of the compressed average about 2(n-1)/n: the same for two clusters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
+from trainers.compression import ErrorFeedback, SparseQuantizeCompressor, relative_error
+from trainers.method import Method, MethodContext, SyncReport
+from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes
+
+_BITS = (2, 4, 8, None)
+
+
+@dataclass(frozen=True)
+class CocktailConfig:
+    """CocktailSGD's published settings (0.1 x 0.2 x 4 bits)."""
+
+    random_keep: float = 0.1
+    topk_keep: float = 0.2
+    bits: int | None = 4
+    bucket_size: int = 128
+    warmup_steps: int = 10
+    error_feedback: bool = True
+    server_compression: bool = True
+
+    def __post_init__(self) -> None:
+        for flag, ratio in (("--random-keep", self.random_keep), ("--topk-keep", self.topk_keep)):
+            if not 0 < ratio <= 1:
+                raise ValueError(f"{flag} must be in (0, 1], got {ratio}")
+        if self.bits not in _BITS:
+            raise ValueError(f"--bits must be 2, 4, 8 or none (fp32 values), got {self.bits}")
+        if self.bucket_size < 1:
+            raise ValueError(f"--bucket-size must be at least 1, got {self.bucket_size}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
+
+
+@dataclass
+class _Round:
+    """A step whose payloads are still being gathered."""
+
+    step: int
+    deltas: list[torch.Tensor]  # this rank's delta_i per parameter, as sent (before error feedback)
+    gathered: list[torch.Tensor]  # every rank's payload, filled once `inflight` is done
+    inflight: InFlight
+
+
+class Cocktail(Method):
+    def __init__(self, ctx: MethodContext, cfg: CocktailConfig):
+        self.ctx = ctx
+        self.cfg = cfg
+        self.names = [name for name, _ in ctx.named_params]
+        self.params = ctx.params
+        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+        # Replicas start from identical weights (same seed), so g starts identical without a broadcast.
+        self.global_params = [p.detach().clone().float() for p in self.params]
+        # The run's seed keys the random mask: every rank derives the same mask at a step, nothing exchanged.
+        self.compressor = SparseQuantizeCompressor(cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size,
+                                                   seed=ctx.seed)
+        self.worker_residuals = ErrorFeedback()  # e_i
+        self.server_residuals = ErrorFeedback()  # s, identical on every rank
+        self.pending: _Round | None = None
+
+    def step(self, step: int) -> SyncReport | None:
+        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if step < self.cfg.warmup_steps:
+            return self._average_models()
+        blocked_s, overlapped_s = self._apply_pending()
+        payload_bytes, compression_error = self._send(step)
+        return SyncReport(payload_bytes=payload_bytes, blocked_s=blocked_s, overlapped_s=overlapped_s,
+                          fields={"compression_error": compression_error, "stale_steps": 1})
+
+    def finish(self) -> SyncReport | None:
+        """Apply the last step's update, so the final global model holds every step."""
+        if self.pending is None:
+            return None
+        blocked_s, overlapped_s = self._apply_pending()
+        return SyncReport(payload_bytes=0, blocked_s=blocked_s, overlapped_s=overlapped_s)
+
+    @torch.no_grad()
+    def _average_models(self) -> SyncReport:
+        """Warm-up: the exact average of the whole model, blocking, in fp32 (one flat bucket)."""
+        flat = flatten(self.params).float()
+        inflight = all_reduce_sum(flat, self.ctx.data_parallel_group)
+        blocked_s, _ = inflight.wait()
+        flat /= self.ctx.replicas
+        unflatten_into(flat, self.global_params)
+        unflatten_into(flat, self.params)
+        return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s,
+                          fields={"compression_error": 0.0, "stale_steps": 0})
+
+    @torch.no_grad()
+    def _send(self, step: int) -> tuple[int, float]:
+        """Compress delta_i + e_i per parameter, start the gather; returns (payload bytes, relative error)."""
+        deltas = [p.float() - g for p, g in zip(self.params, self.global_params, strict=True)]
+        payloads, compensated, transmitted = [], [], []
+        for name, delta in zip(self.names, deltas, strict=True):
+            c = self.worker_residuals.compensate(name, delta) if self.cfg.error_feedback else delta
+            payload = self.compressor.encode(c, step)
+            t = self.compressor.decode(payload, c.shape, step)
+            if self.cfg.error_feedback:
+                self.worker_residuals.update(name, c, t)
+            payloads.append(payload)
+            compensated.append(c)
+            transmitted.append(t)
+        gathered, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
+        self.pending = _Round(step, deltas, gathered, inflight)
+        # The compressor's error on its input (delta_i + e_i): what its contraction bound is about.
+        return inflight.payload_bytes, relative_error(flatten(compensated), flatten(transmitted))
+
+    @torch.no_grad()
+    def _apply_pending(self) -> tuple[float, float]:
+        """Wait for the last step's gather, apply its update u to g and x_i; returns (blocked, overlapped)."""
+        if self.pending is None:
+            return 0.0, 0.0
+        sent, self.pending = self.pending, None
+        blocked_s, overlapped_s = sent.inflight.wait()
+        sizes = [self.compressor.payload_nbytes(g.shape) for g in self.global_params]
+        decoded = [
+            [self.compressor.decode(payload, g.shape, sent.step) for payload, g in
+             zip(rank_payload.split(sizes), self.global_params, strict=True)]
+            for rank_payload in sent.gathered
+        ]
+        for i, (name, g, p) in enumerate(zip(self.names, self.global_params, self.params, strict=True)):
+            # Summed in rank order on every rank, so g stays bit-identical across replicas.
+            average = torch.stack([rank_decoded[i] for rank_decoded in decoded]).mean(dim=0)
+            update = self._server_compress(name, average, sent.step)
+            g += update
+            p += update - sent.deltas[i]
+        return blocked_s, overlapped_s
+
+    def _server_compress(self, name: str, average: torch.Tensor, step: int) -> torch.Tensor:
+        """What CocktailSGD's aggregating side broadcasts for `average` (see the module docstring)."""
+        if not self.cfg.server_compression:
+            return average
+        c = self.server_residuals.compensate(name, average) if self.cfg.error_feedback else average
+        update = self.compressor.decode(self.compressor.encode(c, step), c.shape, step)
+        if self.cfg.error_feedback:
+            self.server_residuals.update(name, c, update)
+        return update
+
+    @contextlib.contextmanager
+    def eval_parameters(self) -> Iterator[None]:
+        """The global model g swapped in; the local parameters come back afterwards."""
+        local = [p.detach().clone() for p in self.params]
+        _copy(self.global_params, self.params)
+        try:
+            yield
+        finally:
+            _copy(local, self.params)
+
+    def optimizer_state_bytes(self) -> int:
+        """Inner AdamW moments plus what the method keeps beside the model: g and both residuals."""
+        extra = self.global_params + list(self.worker_residuals.residuals.values())
+        extra += list(self.server_residuals.residuals.values())
+        return optimizer_state_bytes(self.optimizer) + sum(t.numel() * t.element_size() for t in extra)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+@torch.no_grad()
+def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    for source, target in zip(sources, targets, strict=True):
+        target.copy_(source)

@@ -1,0 +1,121 @@
+"""OpenDiLoCo (arXiv 2407.07852): H local AdamW steps, then an outer Nesterov step on the averaged
+pseudo-gradient.
+
+Every replica trains alone for H = local_steps inner steps, then all replicas agree on one update of the
+global parameters theta_global, an fp32 copy of this stage that the method keeps, identical on every replica:
+
+    delta_i      = theta_global - theta_i                   replica i's pseudo-gradient (this stage only)
+    Delta        = mean_i cast(delta_i)                     all-reduce over the data-parallel group, in fp16
+    theta_global = OuterSGD(theta_global, grad=Delta)       Nesterov momentum 0.9, lr 0.7
+    theta_i      = theta_global                             every replica starts the next round from it
+
+The all-reduce is blocking: nothing overlaps it. The inner AdamW keeps its moments across rounds, as
+OpenDiLoCo does. With one cluster (no data-parallel group) the outer step still runs on the local
+pseudo-gradient, so H and the outer learning rate mean the same at every cluster count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from trainers.comm import all_reduce_sum, flatten, unflatten_into
+from trainers.compression import CastDtype
+from trainers.method import Method, MethodContext, SyncReport
+from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes, outer_optimizer
+
+_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """OpenDiLoCo's published settings; benchmarks on small models use a much smaller H."""
+
+    local_steps: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    pseudo_grad_dtype: CastDtype = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.local_steps < 1:
+            raise ValueError(f"--local-steps must be at least 1, got {self.local_steps}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"--outer-lr must be positive, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.pseudo_grad_dtype not in _WIRE_DTYPES:
+            raise ValueError(f"--pseudo-grad-dtype must be one of {', '.join(_WIRE_DTYPES)}, "
+                             f"got {self.pseudo_grad_dtype!r}")
+
+
+class DiLoCo(Method):
+    def __init__(self, ctx: MethodContext, cfg: DiLoCoConfig):
+        self.ctx = ctx
+        self.cfg = cfg
+        self.params = ctx.params
+        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+        # The fp32 master copy the outer optimizer updates. Replicas start from identical weights (same
+        # seed), so copying the local model makes it identical on every replica without a broadcast.
+        self.global_params = [p.detach().clone().float() for p in self.params]
+        self.outer_optimizer = outer_optimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
+
+    def step(self, step: int) -> SyncReport | None:
+        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % self.cfg.local_steps:
+            return None
+        return self._outer_step()
+
+    @torch.no_grad()
+    def _outer_step(self) -> SyncReport:
+        pseudo_grads = [g - p for g, p in zip(self.global_params, self.params, strict=True)]
+        # One flat bucket, cast before the all-reduce so the link carries pseudo_grad_dtype: gloo and NCCL sum
+        # fp16 and bf16 natively. The sum is taken in the wire dtype, as OpenDiLoCo's fp16 all-reduce does.
+        wire = flatten(pseudo_grads).to(_WIRE_DTYPES[self.cfg.pseudo_grad_dtype])
+        inflight = all_reduce_sum(wire, self.ctx.data_parallel_group)
+        blocked_s, _ = inflight.wait()
+        averaged = wire.float() / self.ctx.replicas
+        unflatten_into(averaged, pseudo_grads)
+
+        for global_param, pseudo_grad in zip(self.global_params, pseudo_grads, strict=True):
+            global_param.grad = pseudo_grad
+        self.outer_optimizer.step()
+        self.outer_optimizer.zero_grad(set_to_none=True)
+        _copy(self.global_params, self.params)
+        fields = {"pseudo_grad_norm": averaged.norm().item(), "local_steps": self.cfg.local_steps}
+        return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s, fields=fields)
+
+    @contextlib.contextmanager
+    def eval_parameters(self) -> Iterator[None]:
+        """theta_global swapped into the model; the local parameters come back afterwards."""
+        local = [p.detach().clone() for p in self.params]
+        _copy(self.global_params, self.params)
+        try:
+            yield
+        finally:
+            _copy(local, self.params)
+
+    def optimizer_state_bytes(self) -> int:
+        """Inner AdamW moments plus outer state: the momentum buffer and the theta_global master copy.
+
+        theta_global counts as outer state because it exists only for the outer optimizer; a plain
+        data-parallel run would not hold it.
+        """
+        outer_bytes = optimizer_state_bytes(self.outer_optimizer)
+        outer_bytes += sum(g.numel() * g.element_size() for g in self.global_params)
+        return optimizer_state_bytes(self.optimizer) + outer_bytes
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+@torch.no_grad()
+def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    for source, target in zip(sources, targets, strict=True):
+        target.copy_(source)
