@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.backends.netns import NetnsCluster
+from harness.backends import ClusterBackend, Worker, make_backend
 from harness.config import RunConfig
 from harness.metrics import EventTail, read_events
 from harness.profiles import ProfileError, check_shapeable, format_rate
@@ -61,7 +61,7 @@ def validate(config: RunConfig, out: Path | None) -> RunFolder:
     except (ValueError, ProfileError) as err:
         raise RunError(str(err)) from None
     if config.backend != "netns":
-        raise RunError(f"backend {config.backend!r} is not available yet; use --backend netns")
+        raise RunError(f"backend {config.backend!r} is not available; use --backend netns")
     if config.profile.needs_netem and not probe_qdiscs(os.geteuid() != 0)["netem"]:
         raise RunError(
             f"profile {config.profile.name!r} asks for delay, jitter or loss, but this kernel has no "
@@ -100,11 +100,11 @@ def run(
     """Run one benchmark; returns summary.json's content (with "results_dir")."""
     folder = validate(config, out)
     topology = Topology(config.clusters, config.stages)
-    cluster = NetnsCluster(config.run_key, topology, config.profile)
+    cluster = make_backend(config.backend, config.run_key, topology, config.profile)
     run_dir = folder.create()
     config.save(run_dir / "config.json")
     (run_dir / "logs").mkdir()
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict[int, Worker] = {}
     failure: str | None = None
     record: dict[str, Any] = {}
     qdiscs: list[dict] = []
@@ -116,22 +116,14 @@ def run(
         wire_before = cluster.wire_bytes()
         for rank in range(topology.world_size):
             env = {
-                **os.environ,
-                **cluster.worker_env(rank),
                 "RANK": str(rank),
                 "WORLD_SIZE": str(topology.world_size),
                 "MASTER_ADDR": topology.master_address,
                 "MASTER_PORT": str(MASTER_PORT),
                 "PYTHONUNBUFFERED": "1",
             }
-            argv = cluster.worker_command(
-                rank, [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)]
-            )
-            with open(run_dir / "logs" / f"rank{rank}.log", "wb") as log:
-                # A session of their own: Ctrl-C reaches the harness only, which then stops them in order.
-                procs[rank] = subprocess.Popen(
-                    argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
+            argv = [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)]
+            procs[rank] = cluster.spawn(rank, argv, env, run_dir / "logs" / f"rank{rank}.log")
         failure = _watch(procs, topology, run_dir, config, cluster, on_progress)
         record["wire_bytes_run"] = cluster.wire_bytes() - wire_before
     except Interrupted as sig:
@@ -165,11 +157,11 @@ def run(
 
 
 def _watch(
-    procs: dict[int, subprocess.Popen],
+    procs: dict[int, Worker],
     topology: Topology,
     run_dir: Path,
     config: RunConfig,
-    cluster: NetnsCluster,
+    cluster: ClusterBackend,
     on_progress: Callable[[dict[str, Any]], None] | None,
 ) -> str | None:
     """Wait for every rank; the first rank that fails fails the run (the others would hang in collectives)."""
@@ -206,7 +198,7 @@ def _watch(
         )
 
 
-def _stop(procs: dict[int, subprocess.Popen]) -> None:
+def _stop(procs: dict[int, Worker]) -> None:
     """SIGTERM every live worker, then SIGKILL what is left after the grace period; reap them all."""
     for proc in procs.values():
         if proc.poll() is None:

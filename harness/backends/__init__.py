@@ -1,0 +1,47 @@
+"""Backends build the emulated cluster and start ranks in it; the runner drives them through `ClusterBackend`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from harness.profiles import Profile
+from harness.topology import Topology
+
+
+class Worker(Protocol):
+    """A started rank; subprocess.Popen satisfies it."""
+
+    def poll(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class ClusterBackend(Protocol):
+    applied_qdiscs: list[dict]  # what the backend asked the kernel for
+    setup_s: float
+    teardown_s: float
+
+    def up(self) -> None:
+        """Build the clusters and shape their links."""
+
+    def down(self) -> None:
+        """Remove everything `up` created; safe to call after a partial `up` and more than once."""
+
+    def kernel_qdiscs(self) -> list[dict]:
+        """The qdiscs as the kernel reports them."""
+
+    def wire_bytes(self) -> int:
+        """Bytes sent so far by all clusters onto the inter-cluster links, from the kernel's counters."""
+
+    def spawn(self, rank: int, argv: list[str], env: dict[str, str], log_path: Path) -> Worker:
+        """Start rank `rank` running `argv` (the worker) with `env` (torchrun's variables) in its cluster."""
+
+
+def make_backend(name: str, run_key: str, topology: Topology, profile: Profile) -> ClusterBackend:
+    if name == "netns":
+        from harness.backends.netns import NetnsCluster
+
+        return NetnsCluster(run_key, topology, profile)
+    raise ValueError(f"backend {name!r} is not available; use --backend netns")

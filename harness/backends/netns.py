@@ -73,15 +73,10 @@ def reexec_in_user_namespace(argv: list[str]) -> int:
     /run/netns belongs to the real root, so a private tmpfs is mounted over it (or over /run when it is missing)
     inside the new mount namespace; the host's /run is untouched.
     """
-    mount = (
-        "mount -t tmpfs harness /run/netns 2>/dev/null || "
-        "{ mount -t tmpfs harness /run && mkdir -p /run/netns; }"
-    )
+    mount = "mount -t tmpfs harness /run/netns 2>/dev/null || { mount -t tmpfs harness /run && mkdir -p /run/netns; }"
     command = f"{mount} && exec {shlex.join([sys.executable, '-m', 'harness.cli', *argv])}"
     env = {**os.environ, REEXEC_MARK: "1"}
-    return subprocess.call(
-        ["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command], env=env
-    )
+    return subprocess.call(["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command], env=env)
 
 
 class NetnsCluster:
@@ -160,17 +155,24 @@ class NetnsCluster:
         with NetNS(self.switch_ns, flags=0) as sw:
             return sum(interface_counters(sw, self.downlink(c))[1] for c in range(self.topology.clusters))
 
-    def worker_command(self, rank: int, argv: list[str]) -> list[str]:
-        ns_path = NETNS_DIR / self.cluster_ns(self.topology.cluster_of(rank))
-        return ["nsenter", f"--net={ns_path}", "--", *argv]
-
-    def worker_env(self, rank: int) -> dict[str, str]:
+    def spawn(self, rank: int, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
         cluster = self.topology.cluster_of(rank)
-        return {
-            "GLOO_SOCKET_IFNAME": self.uplink(cluster),
-            "NCCL_SOCKET_IFNAME": self.uplink(cluster),
-            "HARNESS_UPLINK": self.uplink(cluster),
+        uplink = self.uplink(cluster)
+        env = {
+            **os.environ,
+            **env,
+            # Bind every collective to the shaped uplink; NCCL must not find a faster path around it (DESIGN.md).
+            "GLOO_SOCKET_IFNAME": uplink,
+            "NCCL_SOCKET_IFNAME": uplink,
+            "NCCL_P2P_DISABLE": "1",
+            "NCCL_SHM_DISABLE": "1",
+            "NCCL_IB_DISABLE": "1",
+            "HARNESS_UPLINK": uplink,
         }
+        command = ["nsenter", f"--net={NETNS_DIR / self.cluster_ns(cluster)}", "--", *argv]
+        with open(log_path, "wb") as log:
+            # A session of its own: Ctrl-C reaches the harness only, which then stops the ranks in order.
+            return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def down(self) -> None:
         """Remove every namespace this run created (their veths, bridge and qdiscs go with them)."""

@@ -1,0 +1,199 @@
+"""OpenDiLoCo in real processes: two replicas talking gloo over loopback, driven step by step as the train loop does.
+
+Every worker builds its model from seed 0 (identical replicas), trains on its own data, and writes what it saw
+to disk; the parent compares.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainers.comm import allreduce_payload_bytes
+from trainers.config import OptimConfig
+from trainers.diloco import DiLoCo, DiLoCoConfig
+from trainers.method import MethodContext
+from trainers.optim import clip_grad_norm, inner_optimizer
+
+WORLD = 2
+# A constant, large inner learning rate makes every inner step move the weights visibly.
+TOY_OPTIM = OptimConfig(lr=1e-2, warmup_fraction=0.0, min_lr_ratio=1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, scenario, args: tuple, out_dir: Path) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.save(scenario(rank, *args), out_dir / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(scenario, args: tuple, out_dir: Path) -> list:
+    mp.spawn(_worker, args=(_free_port(), scenario, args, out_dir), nprocs=WORLD, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def _toy_model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4)
+
+
+def _toy_backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _context(model: torch.nn.Module, optim: OptimConfig, steps: int, group) -> MethodContext:
+    return MethodContext(list(model.named_parameters()), group, None, optim, steps, seed=0)
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "flag"),
+    [
+        ({"local_steps": 0}, "--local-steps"),
+        ({"outer_lr": 0.0}, "--outer-lr"),
+        ({"outer_lr": -0.7}, "--outer-lr"),
+        ({"outer_momentum": 1.0}, "--outer-momentum"),
+        ({"outer_momentum": -0.1}, "--outer-momentum"),
+        ({"pseudo_grad_dtype": "int8"}, "--pseudo-grad-dtype"),
+    ],
+)
+def test_bad_config_names_the_flag(options, flag):
+    with pytest.raises(ValueError, match=flag):
+        DiLoCoConfig(**options)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The outer step
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Twin:
+    """A copy of the model with its own inner AdamW, fed the same gradients: it computes theta_i after the
+    inner step, which the method overwrites with theta_global before returning."""
+
+    def __init__(self, model: torch.nn.Module, steps: int):
+        self.model = copy.deepcopy(model)
+        self.optimizer, self.scheduler = inner_optimizer(list(self.model.parameters()), TOY_OPTIM, steps)
+
+    def inner_step(self, model: torch.nn.Module) -> list[torch.Tensor]:
+        with torch.no_grad():
+            for p, t in zip(model.parameters(), self.model.parameters(), strict=True):
+                t.copy_(p)
+                t.grad = p.grad.clone()
+        clip_grad_norm(list(self.model.parameters()), TOY_OPTIM.grad_clip, None)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return _params(self.model)
+
+
+def _average_scenario(rank: int, dtype: str, steps: int) -> dict:
+    """H=1, outer lr 1, no momentum: theta_global must become the mean of the replicas after their inner step."""
+    model = _toy_model()
+    method = DiLoCo(_context(model, TOY_OPTIM, steps, dist.group.WORLD),
+                    DiLoCoConfig(local_steps=1, outer_lr=1.0, outer_momentum=0.0, pseudo_grad_dtype=dtype))
+    twin = _Twin(model, steps)
+    out = {"inner": [], "synced": []}
+    for step in range(steps):
+        _toy_backward(model, rank, step)
+        out["inner"].append(twin.inner_step(model))
+        assert method.step(step) is not None
+        out["synced"].append(_params(model))
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("fp16", 1e-3), ("fp32", 1e-6)])
+def test_outer_step_with_lr_one_averages_the_replicas(tmp_path, dtype, tol):
+    steps = 3
+    results = _spawn(_average_scenario, (dtype, steps), tmp_path)
+    for step in range(steps):
+        inner = [torch.cat([p.reshape(-1) for p in out["inner"][step]]) for out in results]
+        # The replicas' inner steps differ by far more than the tolerance: the check has teeth.
+        assert (inner[0] - inner[1]).abs().max() > 10 * tol
+        synced = [torch.cat([p.reshape(-1) for p in out["synced"][step]]) for out in results]
+        assert torch.allclose(synced[0], (inner[0] + inner[1]) / 2, rtol=0, atol=tol), f"step {step}"
+        assert torch.equal(synced[0], synced[1]), f"replicas differ after the sync of step {step}"
+
+
+def _cadence_scenario(rank: int, local_steps: int, steps: int) -> dict:
+    model = _toy_model()
+    method = DiLoCo(_context(model, TOY_OPTIM, steps, dist.group.WORLD), DiLoCoConfig(local_steps=local_steps))
+    reports, swapped_in, restored = {}, [], []
+    for step in range(steps):
+        _toy_backward(model, rank, step)
+        report = method.step(step)
+        if report is not None:
+            reports[step] = report.as_event()
+        local = _params(model)
+        with method.eval_parameters():
+            swapped_in.append(_params(model))
+        restored.append(all(torch.equal(a, b) for a, b in zip(local, _params(model), strict=True)))
+    return {"reports": reports, "swapped_in": swapped_in, "restored": restored,
+            "numel": sum(p.numel() for p in model.parameters()), "state_bytes": method.optimizer_state_bytes()}
+
+
+def test_syncs_every_h_steps_with_fp16_all_reduce_payload(tmp_path):
+    local_steps = 3
+    steps = 2 * local_steps + 1
+    results = _spawn(_cadence_scenario, (local_steps, steps), tmp_path)
+    for out in results:
+        assert sorted(out["reports"]) == [local_steps - 1, 2 * local_steps - 1]
+        for report in out["reports"].values():
+            assert report["payload_bytes"] == allreduce_payload_bytes(2 * out["numel"], WORLD)
+            assert report["overlapped_s"] == 0.0
+            assert report["local_steps"] == local_steps
+            assert report["pseudo_grad_norm"] > 0
+        assert all(out["restored"])
+        # Inner AdamW moments (2 per weight + step counters), Nesterov momentum and theta_global: 4 x fp32.
+        assert out["state_bytes"] >= 4 * 4 * out["numel"]
+    # theta_global is the same on both replicas at every step, between syncs too.
+    for mine, theirs in zip(results[0]["swapped_in"], results[1]["swapped_in"], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    # Between syncs evaluation sees theta_global, which only moves at a sync.
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["swapped_in"][0], results[0]["swapped_in"][1],
+                                                 strict=True))
+
+
+def test_one_cluster_still_takes_the_outer_step():
+    """Without a data-parallel group the outer step runs on the local pseudo-gradient alone."""
+    model = _toy_model()
+    start = _params(model)
+    method = DiLoCo(_context(model, TOY_OPTIM, 1, None),
+                    DiLoCoConfig(local_steps=1, outer_lr=0.5, outer_momentum=0.0, pseudo_grad_dtype="fp32"))
+    twin = _Twin(model, 1)
+    _toy_backward(model, 0, 0)
+    inner = twin.inner_step(model)
+    report = method.step(0)
+    assert report is not None and report.payload_bytes == 0
+    # Outer lr 0.5 moves theta_global half way from the start towards the weights after the inner step.
+    for synced, before, after in zip(_params(model), start, inner, strict=True):
+        assert (after - before).abs().max() > 1e-3
+        assert torch.allclose(synced, (before + after) / 2, rtol=0, atol=1e-6)
