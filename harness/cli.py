@@ -385,6 +385,28 @@ def profiles_show(name: str) -> None:
     console.print(yaml.safe_dump({"parsed": p.to_dict()}, sort_keys=False).rstrip(), highlight=False)
 
 
+@main.command("bench-cluster")
+@click.option("--profile", default="1gbps", show_default=True)
+@click.option("--clusters", default=2, show_default=True)
+@click.option("--stages", default=1, show_default=True)
+@click.option("--repeats", default=10, show_default=True)
+def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> None:
+    """Benchmark building and removing the emulated cluster (namespaces, bridge, veths, qdiscs)."""
+    from harness.benchmarks import cluster_lifecycle
+
+    try:
+        prof = load_profile(profile)
+    except ProfileError as err:
+        _fail(str(err))
+    _reexec_if_unprivileged()
+    figures = cluster_lifecycle(prof, clusters, stages, repeats)
+    console.print(
+        f"{clusters} clusters on {profile}, {repeats} repeats: setup {figures['setup_median_s'] * 1000:.0f} ms, "
+        f"teardown {figures['teardown_median_s'] * 1000:.0f} ms, total {figures['total_median_s'] * 1000:.0f} ms "
+        f"median ({figures['total_max_s'] * 1000:.0f} ms max)"
+    )
+
+
 @main.command()
 @click.option("--run-key", help="Only this run's namespaces (the hx...... prefix in config.json's run_key).")
 def cleanup(run_key: str | None) -> None:
