@@ -23,11 +23,28 @@ from trainers.config import OptimConfig, TrainConfig
 from trainers.registry import METHODS, method_names
 
 console = Console()
+errors = Console(stderr=True)
 
 
 def _fail(message: str) -> typing.NoReturn:
-    console.print(f"[red]error:[/red] {message}", highlight=False)
+    """Bad input: one plain line on stderr, exit code 2 (as click's own usage errors)."""
+    errors.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(2)
+
+
+class _Group(click.Group):
+    """Click's usage errors (unknown option, bad value) in the same one-line form as the harness's own."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Exit as done:
+            sys.exit(done.exit_code)
+        except click.UsageError as err:
+            hint = f" (see harness {err.ctx.info_name} --help)" if err.ctx and err.ctx.parent else ""
+            _fail(err.format_message() + hint)
+        except click.Abort:
+            _fail("aborted")
 
 
 def _method_options() -> dict[str, tuple[Any, dict[str, Any]]]:
@@ -77,7 +94,7 @@ def method_option_flags(command):
     return command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def main() -> None:
     """Benchmark harness for low-communication LLM training over slow, kernel-shaped links."""
 
@@ -222,7 +239,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 @main.command()
 @click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
-@click.option("--method", default="allreduce", show_default=True, type=click.Choice(method_names()))
+@click.option("--method", default="allreduce", show_default=True, help=f"One of: {', '.join(method_names())}.")
 @click.option("--model", default=TrainConfig.model, show_default=True, help="tiny, small, tiny-qwen, ...")
 @click.option("--clusters", default=2, show_default=True, help="Sites joined by the shaped link.")
 @click.option("--stages", default=1, show_default=True, help="Pipeline stages (ranks) per cluster.")
@@ -378,11 +395,11 @@ def profiles_show(name: str) -> None:
         p = load_profile(name)
     except ProfileError as err:
         _fail(str(err))
-    console.print(f"# {p.source}", highlight=False)
-    console.print(Path(p.source).read_text().rstrip(), highlight=False)
-    console.print(f"# inter-cluster: {p.inter_cluster.describe()}", highlight=False)
-    console.print(f"# intra-cluster: {p.intra_cluster.describe()}", highlight=False)
-    console.print(yaml.safe_dump({"parsed": p.to_dict()}, sort_keys=False).rstrip(), highlight=False)
+    click.echo(f"# {p.source}")
+    click.echo(Path(p.source).read_text().rstrip())
+    click.echo(f"# inter-cluster: {p.inter_cluster.describe()}")
+    click.echo(f"# intra-cluster: {p.intra_cluster.describe()}")
+    click.echo(yaml.safe_dump({"parsed": p.to_dict()}, sort_keys=False).rstrip())
 
 
 @main.command("bench-cluster")

@@ -207,7 +207,10 @@ def load_profile(name_or_path: str) -> Profile:
 def max_shapeable_rate_bps() -> float:
     override = os.environ.get("HARNESS_MAX_RATE")
     if override:
-        return parse_rate_bps(override)
+        try:
+            return parse_rate_bps(override)
+        except ProfileError as err:
+            raise ProfileError(f"HARNESS_MAX_RATE: {err}") from None
     return SHAPEABLE_BPS_PER_CORE * (os.cpu_count() or 1)
 
 

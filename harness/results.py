@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,18 @@ class RunFolder:
         ancestor = self.final.parent
         while not ancestor.exists():
             ancestor = ancestor.parent
-        if not ancestor.is_dir() or not os.access(ancestor, os.W_OK | os.X_OK):
+        if not ancestor.is_dir():
             raise ResultsError(
-                f"cannot write results under {self.final.parent} ({ancestor} is not writable); "
+                f"cannot write results under {self.final.parent} ({ancestor} is not a directory); "
                 "pass a writable --out"
             )
+        # A real probe: permission bits say nothing for root, and some file systems (/proc) refuse regardless.
+        try:
+            os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".harness-probe-"))
+        except OSError as err:
+            raise ResultsError(
+                f"cannot write results under {self.final.parent} ({ancestor}: {err.strerror}); pass a writable --out"
+            ) from None
 
     def create(self) -> Path:
         self.staging.mkdir(parents=True)

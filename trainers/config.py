@@ -51,4 +51,4 @@ class TrainConfig:
         if self.eval_every < 1:
             raise ValueError(f"--eval-every must be at least 1, got {self.eval_every}")
         if not 0 <= self.throughput_warmup_steps < self.steps:
-            raise ValueError(f"--warmup-steps must be in [0, steps), got {self.throughput_warmup_steps}")
+            raise ValueError(f"--throughput-warmup-steps must be in [0, steps), got {self.throughput_warmup_steps}")

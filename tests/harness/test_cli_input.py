@@ -1,0 +1,387 @@
+"""Bad input gets one clear sentence and nothing is created.
+
+Every mistake a user can make on the command line is refused with exit code 2 and one line starting "error:" that
+names the fix, before any namespace, veth or results folder exists. The CLI runs in-process (click's CliRunner);
+the real run is replaced by a sentinel, so input that wrongly passes validation fails the test instead of building a
+cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner, Result
+from pyroute2 import IPRoute
+
+import harness.cli as cli
+import harness.config
+import harness.runner as runner
+from harness.backends import netns as netns_backend
+from harness.config import RunConfig
+from harness.profiles import known_profiles, load_profile
+from harness.shaping import probe_qdiscs
+
+SHIPPED = known_profiles()
+IS_ROOT = os.geteuid() == 0
+# The kernel creates ifb0/ifb1 in the host namespace when the ifb module is first loaded (the qdisc probe may do
+# that); they are not the run's objects.
+KERNEL_MADE = re.compile(r"ifb\d+")
+# The run key the tests' runs get (RunConfig draws "hx" + 6 hex digits); objects of other keys belong to harness
+# runs that other tests or users may have going at the same time.
+TEST_KEY_HEX = "7e57ed"
+OTHER_RUN = re.compile(rf"hx(?!{TEST_KEY_HEX})[0-9a-f]{{6}}")
+
+
+
+class RunStarted(Exception):
+    """Raised by the stand-in for the real run: validation let the input through."""
+
+
+def host_state(root: Path) -> dict[str, list[str]]:
+    """Namespaces and host links (but those of other harness runs, which may run concurrently), and files."""
+    netns_dir = Path("/run/netns")
+    with IPRoute() as ip:
+        links = [link.get_attr("IFLA_IFNAME") for link in ip.get_links()]
+
+    def mine(names: list[str]) -> list[str]:
+        return sorted(n for n in names if not KERNEL_MADE.fullmatch(n) and not OTHER_RUN.match(n))
+
+    return {
+        "netns": mine(os.listdir(netns_dir) if netns_dir.is_dir() else []),
+        "links": mine(links),
+        "files": sorted(str(p.relative_to(root)) for p in root.rglob("*")),
+    }
+
+
+@pytest.fixture
+def harness_cli(tmp_path, monkeypatch):
+    """Run `harness ARGS` in a fresh working directory on a 2-core machine; returns (result, state before, after)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("HARNESS_MAX_RATE", raising=False)
+    monkeypatch.delenv(netns_backend.REEXEC_MARK, raising=False)
+    # What a pipe or a CI log gets, whatever terminal runs the tests.
+    monkeypatch.setattr(cli.console, "_width", 80)
+    monkeypatch.setattr(harness.config.secrets, "token_hex", lambda nbytes: TEST_KEY_HEX)
+
+    def started(*args, **kwargs):
+        raise RunStarted("validation passed and the run started")
+
+    monkeypatch.setattr(runner, "run", started)
+    monkeypatch.setattr(cli, "reexec_in_user_namespace", started)
+
+    def invoke(args: list[str]) -> tuple[Result, dict, dict]:
+        before = host_state(tmp_path)
+        result = CliRunner().invoke(cli.main, args)
+        after = host_state(tmp_path)
+        return result, before, after
+
+    return invoke
+
+
+def flat(output: str) -> str:
+    return " ".join(click.unstyle(output).split())
+
+
+def lines(output: str) -> list[str]:
+    return [line for line in click.unstyle(output).splitlines() if line.strip()]
+
+
+def assert_refused(result: Result, before: dict, after: dict, expect: list[str]) -> None:
+    shown = f"exit {result.exit_code}, output:\n{result.output}\nexception: {result.exception!r}"
+    assert not isinstance(result.exception, RunStarted), f"validation let this through: {shown}"
+    assert result.exit_code == 2, shown
+    assert isinstance(result.exception, SystemExit), shown
+    assert "Traceback" not in result.output
+    text = flat(result.output)
+    assert text.startswith("error: "), shown
+    for fragment in expect:
+        assert fragment in text, f"{fragment!r} missing from: {text}"
+    assert after == before, "something was created"
+
+
+@dataclass
+class Case:
+    id: str
+    args: list[str]
+    expect: list[str]
+    files: dict[str, str | None] = field(default_factory=dict)  # None: a directory
+    env: dict[str, str] = field(default_factory=dict)
+    setup: Callable[[pytest.MonkeyPatch], None] | None = None
+    only_without_netem: bool = False
+    only_as_root: bool = False
+
+
+def no_privileges(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns_backend.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns_backend, "user_namespaces_work", lambda: False)
+
+
+BAD_YAML = "description: x\ninter_cluster:\n  rate: 1gbit\n burst: 256kb\n"
+
+CASES = [
+    Case("unknown-profile", ["run", "--profile", "nope"], ["unknown profile 'nope'", *SHIPPED, "own YAML"]),
+    Case(
+        "malformed-yaml",
+        ["run", "--profile", "{tmp}/bad.yaml"],
+        ["bad.yaml is not valid YAML at line 4", "fix the syntax"],
+        files={"bad.yaml": BAD_YAML},
+    ),
+    Case(
+        "missing-profile-file",
+        ["run", "--profile", "{tmp}/missing.yaml"],
+        ["missing.yaml does not exist", "1gbps"],
+    ),
+    Case(
+        "unitless-rate",
+        ["run", "--profile", "{tmp}/slow.yaml"],
+        ["rate 100 is not understood", "write a number with a unit", "mbit"],
+        files={"slow.yaml": "inter_cluster:\n  rate: 100\n"},
+    ),
+    Case(
+        "zero-rate",
+        ["run", "--profile", "{tmp}/zero.yaml"],
+        ["rate '0mbit' is below", "use a larger rate"],
+        files={"zero.yaml": "inter_cluster:\n  rate: 0mbit\n"},
+    ),
+    Case(
+        "unknown-link-key",
+        ["run", "--profile", "{tmp}/typo.yaml"],
+        ["unknown keys ['bandwidth']", "allowed"],
+        files={"typo.yaml": "inter_cluster:\n  bandwidth: 1gbit\n"},
+    ),
+    Case(
+        "unshapeable-rate",
+        ["run", "--profile", "10gbps"],
+        ["asks for 10 Gbit/s", "2 cores", "use a slower profile or set HARNESS_MAX_RATE"],
+    ),
+    Case(
+        "unshapeable-rate-override",
+        ["run", "--profile", "10gbps"],
+        ["asks for 10 Gbit/s", "~3 Gbit/s", "HARNESS_MAX_RATE"],
+        env={"HARNESS_MAX_RATE": "3gbit"},
+    ),
+    Case(
+        "delay-without-netem",
+        ["run", "--profile", "wan-1gbps-20ms"],
+        ["no sch_netem", "modprobe sch_netem", "rate-only profile"],
+        only_without_netem=True,
+    ),
+    Case(
+        "unknown-method",
+        ["run", "--method", "nope"],
+        ["'nope'", "allreduce"],
+    ),
+    Case("unknown-model", ["run", "--model", "nope"], ["unknown model 'nope'", "tiny"]),
+    Case("clusters-0", ["run", "--clusters", "0"], ["--clusters must be at least 1, got 0"]),
+    Case("clusters-negative", ["run", "--clusters", "-1"], ["--clusters must be at least 1"]),
+    Case("stages-0", ["run", "--stages", "0"], ["--stages must be at least 1, got 0"]),
+    Case("steps-0", ["run", "--steps", "0"], ["--steps must be at least 1, got 0"]),
+    Case("batch-size-0", ["run", "--batch-size", "0"], ["--batch-size must be at least 1"]),
+    Case(
+        "seq-len-too-long",
+        ["run", "--seq-len", "100000"],
+        ["--seq-len 100000 exceeds", "use a shorter one"],
+    ),
+    Case(
+        "warmup-not-below-steps",
+        ["run", "--steps", "5", "--throughput-warmup-steps", "5"],
+        ["--throughput-warmup-steps", "got 5"],
+    ),
+    Case(
+        "docker-backend",
+        ["run", "--backend", "docker"],
+        ["backend 'docker' is not available", "--backend netns"],
+    ),
+    Case(
+        "out-under-a-file",
+        ["run", "--out", "{tmp}/afile/out"],
+        ["cannot write results under", "afile", "pass a writable --out"],
+        files={"afile": "not a directory\n"},
+    ),
+    Case(
+        "out-exists",
+        ["run", "--out", "{tmp}/existing"],
+        ["existing already exists", "pass another --out or remove it"],
+        files={"existing": None, "existing/keep.txt": "earlier run\n"},
+    ),
+    Case(
+        "out-under-proc",
+        ["run", "--out", "/proc/harness-test-out"],
+        ["cannot write results under /proc", "pass a writable --out"],
+        only_as_root=True,
+    ),
+    Case(
+        "no-privileges",
+        ["run", "--steps", "2"],
+        ["needs root or unprivileged user namespaces", "run as root (sudo) or enable them"],
+        setup=no_privileges,
+    ),
+    Case("show-unknown-profile", ["profiles", "show", "nope"], ["unknown profile 'nope'", *SHIPPED]),
+]
+
+
+def prepare(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    if case.only_without_netem and probe_qdiscs(os.geteuid() != 0)["netem"]:
+        pytest.skip("this kernel has sch_netem, so delay profiles are accepted")
+    if case.only_as_root and not IS_ROOT:
+        pytest.skip("only root gets past os.access")
+    for name, content in case.files.items():
+        path = tmp_path / name
+        if content is None:
+            path.mkdir(parents=True)
+        else:
+            path.write_text(content)
+    for key, value in case.env.items():
+        monkeypatch.setenv(key, value)
+    if case.setup:
+        case.setup(monkeypatch)
+    return [arg.replace("{tmp}", str(tmp_path)) for arg in case.args]
+
+
+def params():
+    return [pytest.param(case, id=case.id) for case in CASES]
+
+
+@pytest.mark.parametrize("case", params())
+def test_bad_input_is_refused_before_anything_is_created(case, harness_cli, tmp_path, monkeypatch):
+    args = prepare(case, tmp_path, monkeypatch)
+    result, before, after = harness_cli(args)
+    assert_refused(result, before, after, case.expect)
+    assert not (tmp_path / "results").exists()
+    if "--out" in args:
+        out = Path(args[args.index("--out") + 1])
+        assert not out.parent.joinpath(f".{out.name}.partial").exists()
+
+
+@pytest.mark.parametrize("case", params())
+def test_bad_input_error_is_one_line(case, harness_cli, tmp_path, monkeypatch):
+    result, _, _ = harness_cli(prepare(case, tmp_path, monkeypatch))
+    assert result.exit_code == 2, result.output
+    shown = lines(result.output)
+    assert len(shown) == 1, f"{len(shown)} lines:\n{result.output}"
+    assert shown[0].startswith("error: ")
+
+
+def test_good_input_reaches_the_run_and_creates_nothing_before(harness_cli, tmp_path, monkeypatch):
+    """The control: the same harness accepts good input, so the refusals above are about the input."""
+    monkeypatch.setattr(cli, "needs_reexec", lambda: False)
+    result, before, after = harness_cli(["run", "--profile", "1gbps", "--steps", "3", "--out", str(tmp_path / "o")])
+    assert isinstance(result.exception, RunStarted), result.output
+    assert after == before
+
+
+def test_method_option_that_does_not_apply(harness_cli, tmp_path, monkeypatch):
+    """A flag generated from another method's config is refused for this method, by name."""
+    options = cli._method_options()
+    methods = list(cli.METHODS)
+    foreign = [
+        (name, method, kind, defaults)
+        for name, (kind, defaults) in sorted(options.items())
+        for method in methods
+        if method not in defaults
+    ]
+    if not foreign:
+        pytest.skip(f"every method option flag applies to every method ({', '.join(methods)})")
+    name, method, kind, defaults = foreign[0]
+    flag = "--" + name.replace("_", "-")
+    value = [] if kind is bool else [str(next(d for d in defaults.values() if d is not None))]
+    result, before, after = harness_cli(["run", "--method", method, flag, *value])
+    assert_refused(result, before, after, [f"{flag} does not apply to method {method!r}"])
+
+
+def test_validate_refuses_an_option_the_method_lacks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig(method="allreduce", profile=load_profile("1gbps"), method_options={"local_steps": 5})
+    with pytest.raises(runner.RunError) as err:
+        runner.validate(config, tmp_path / "out")
+    assert "--local-steps does not apply to method 'allreduce'" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_validate_returns_the_default_results_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("HARNESS_MAX_RATE", raising=False)
+    config = RunConfig(method="allreduce", profile=load_profile("1gbps"))
+    folder = runner.validate(config, None)
+    assert folder.final == Path("results") / "runs" / config.run_id
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- privileges -------------------------------------------------------------------------------------------------
+
+
+def test_no_root_and_no_user_namespaces_is_a_clear_error(monkeypatch):
+    no_privileges(monkeypatch)
+    with pytest.raises(netns_backend.PrivilegeError) as err:
+        netns_backend.needs_reexec()
+    message = str(err.value)
+    assert "needs root or unprivileged user namespaces" in message
+    assert "run as root (sudo)" in message
+    assert "kernel.unprivileged_userns_clone=1" in message
+    assert "\n" not in message
+
+
+def test_no_root_with_user_namespaces_reexecs(monkeypatch):
+    monkeypatch.setattr(netns_backend.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(netns_backend, "user_namespaces_work", lambda: True)
+    assert netns_backend.needs_reexec() is True
+
+
+def test_root_needs_no_reexec_and_no_probe(monkeypatch):
+    def probe():
+        raise AssertionError("root must not probe user namespaces")
+
+    monkeypatch.setattr(netns_backend.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns_backend, "user_namespaces_work", probe)
+    assert netns_backend.needs_reexec() is False
+
+
+# --- the other commands -----------------------------------------------------------------------------------------
+
+
+def test_profiles_list(harness_cli):
+    result, before, after = harness_cli(["profiles", "list"])
+    assert result.exit_code == 0, result.output
+    for name in SHIPPED:
+        assert re.search(rf"^\W*{re.escape(name)}\s", result.output, re.MULTILINE), f"{name} missing"
+    assert "1 Gbit/s" in result.output and "unshaped" in result.output
+    assert after == before
+
+
+def test_profiles_show(harness_cli):
+    result, _, _ = harness_cli(["profiles", "show", "1gbps"])
+    assert result.exit_code == 0, result.output
+    assert "# inter-cluster: 1 Gbit/s (burst 256 KiB)" in result.output
+    assert "rate_bps: 1000000000" in result.output
+    assert "rate: 1gbit" in result.output
+
+
+def test_profiles_show_prints_the_file_verbatim(harness_cli):
+    result, _, _ = harness_cli(["profiles", "show", "1gbps"])
+    assert result.exit_code == 0
+    assert Path(load_profile("1gbps").source).read_text().rstrip() in result.output
+
+
+def test_profiles_show_prints_brackets_verbatim(harness_cli, tmp_path):
+    path = tmp_path / "brackets.yaml"
+    path.write_text("description: a [slow] link to [/x]\ninter_cluster:\n  rate: 1gbit\n")
+    result, _, _ = harness_cli(["profiles", "show", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "a [slow] link to [/x]" in result.output
+
+
+def test_doctor(harness_cli):
+    result, _, _ = harness_cli(["doctor"])
+    assert result.exit_code == 0, result.output
+    text = click.unstyle(result.output)
+    for check in ("privileges", "tbf", "netem", "rate ceiling"):
+        assert re.search(rf"^\W*{check}\s+\W*(yes|no)\b", text, re.MULTILINE), f"no {check} line:\n{text}"
+    assert "3 Gbit/s (2 cores)" in flat(text)
