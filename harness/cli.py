@@ -83,70 +83,20 @@ def method_option_flags(command):
     """One flag per method option, generated from the methods' config dataclasses so the CLI never drifts."""
     for field_name, (kind, defaults) in sorted(_method_options().items(), reverse=True):
         flag = field_name.replace("_", "-")
-        used_by = ", ".join(f"{m}: {d}" for m, d in defaults.items())
+        used_by = "method option; " + ", ".join(f"{m}: {d}" for m, d in defaults.items())
         if kind is bool:
             decl = [f"--{flag}/--no-{flag}"]
             command = click.option(*decl, field_name, default=None, help=f"[{used_by}]")(command)
         else:
-            command = click.option(
-                f"--{flag}", field_name, type=_click_type(kind), default=None, help=f"[{used_by}]"
-            )(command)
+            command = click.option(f"--{flag}", field_name, type=_click_type(kind), default=None, help=f"[{used_by}]")(
+                command
+            )
     return command
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def main() -> None:
     """Benchmark harness for low-communication LLM training over slow, kernel-shaped links."""
-
-
-def _build_config(
-    method: str,
-    profile: str,
-    model: str,
-    clusters: int,
-    stages: int,
-    steps: int | None,
-    batch_size: int | None,
-    seq_len: int | None,
-    seed: int | None,
-    eval_every: int | None,
-    throughput_warmup_steps: int | None,
-    microbatches: int | None,
-    data: str | None,
-    lr: float | None,
-    calibrate: bool,
-    backend: str,
-    mode: str,
-    method_opts: dict,
-) -> RunConfig:
-    train_fields = {
-        "model": model,
-        "steps": steps,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "seed": seed,
-        "eval_every": eval_every,
-        "throughput_warmup_steps": throughput_warmup_steps,
-        "microbatches": microbatches,
-        "data": data,
-    }
-    train = TrainConfig(
-        **{k: v for k, v in train_fields.items() if v is not None},
-        optim=OptimConfig() if lr is None else OptimConfig(lr=lr),
-    )
-    if train.throughput_warmup_steps >= train.steps and throughput_warmup_steps is None:
-        train = dataclasses.replace(train, throughput_warmup_steps=train.steps // 10)
-    return RunConfig(
-        method=method,
-        profile=load_profile(profile),
-        train=train,
-        method_options={k: v for k, v in method_opts.items() if v is not None},
-        backend=backend,
-        clusters=clusters,
-        stages=stages,
-        mode=mode,
-        calibrate=calibrate,
-    )
 
 
 def _reexec_if_unprivileged() -> None:
@@ -182,8 +132,7 @@ def _progress_display():
             parts.append(f"{state['tokens'] / max(state['step'] + 1, 1) / state['step_s']:,.0f} tok/s")
         util = state.get("link_utilisation")
         parts.append(
-            f"link {format_rate(state['link_bps'])}"
-            + (f" ({util:.0%} of {state['link']})" if util is not None else "")
+            f"link {format_rate(state['link_bps'])}" + (f" ({util:.0%} of {state['link']})" if util is not None else "")
         )
         progress.update(
             task,
@@ -237,79 +186,50 @@ def _print_summary(summary: dict[str, Any]) -> None:
     console.print(f"results: {summary['results_dir']}")
 
 
+def train_option_flags(command):
+    """The training settings every method shares; unset ones keep TrainConfig's defaults."""
+    flags = [
+        click.option("--model", help=f"tiny, small, tiny-qwen, opt-125m, ... [default: {TrainConfig.model}]."),
+        click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}]."),
+        click.option(
+            "--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}]."
+        ),
+        click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context]."),
+        click.option("--seed", type=int, help=f"Seed for weights and data order [default: {TrainConfig.seed}]."),
+        click.option("--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}]."),
+        click.option(
+            "--throughput-warmup-steps",
+            type=int,
+            help=f"Steps left out of tokens/s [default: {TrainConfig.throughput_warmup_steps}].",
+        ),
+        click.option("--microbatches", type=int, help="Pipeline micro-batches per step [default: --stages]."),
+        click.option("--pipeline-schedule", type=click.Choice(["1f1b", "gpipe"]), help="[default: 1f1b]."),
+        click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}]."),
+        click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib]."),
+    ]
+    command = method_option_flags(command)
+    for flag in reversed(flags):
+        command = flag(command)
+    return command
+
+
 @main.command()
 @click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
 @click.option("--method", default="allreduce", show_default=True, help=f"One of: {', '.join(method_names())}.")
-@click.option("--model", default=TrainConfig.model, show_default=True, help="tiny, small, tiny-qwen, ...")
 @click.option("--clusters", default=2, show_default=True, help="Sites joined by the shaped link.")
 @click.option("--stages", default=1, show_default=True, help="Pipeline stages (ranks) per cluster.")
-@click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}].")
-@click.option(
-    "--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}]."
-)
-@click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context].")
-@click.option("--seed", type=int, help=f"Seed for weights and data order [default: {TrainConfig.seed}].")
-@click.option(
-    "--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}]."
-)
-@click.option(
-    "--throughput-warmup-steps",
-    type=int,
-    help=f"Steps left out of tokens/s [default: {TrainConfig.throughput_warmup_steps}].",
-)
-@click.option("--microbatches", type=int, help="Pipeline micro-batches per step [default: --stages].")
-@click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}].")
-@click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib].")
-@click.option(
-    "--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>]."
-)
+@click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
 @click.option("--calibrate", is_flag=True, help="Measure the link's all-reduce busbw before training.")
 @click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
-@method_option_flags
-def run(
-    method,
-    profile,
-    model,
-    clusters,
-    stages,
-    steps,
-    batch_size,
-    seq_len,
-    seed,
-    eval_every,
-    throughput_warmup_steps,
-    microbatches,
-    lr,
-    data,
-    out,
-    calibrate,
-    backend,
-    **method_opts,
-):
+@train_option_flags
+def run(method, profile, clusters, stages, out, calibrate, backend, **settings):
     """Train one method on the emulated cluster and write a results folder."""
     from harness.runner import RunError, validate
     from harness.runner import run as run_benchmark
 
     try:
-        config = _build_config(
-            method,
-            profile,
-            model,
-            clusters,
-            stages,
-            steps,
-            batch_size,
-            seq_len,
-            seed,
-            eval_every,
-            throughput_warmup_steps,
-            microbatches,
-            data,
-            lr,
-            calibrate,
-            backend,
-            "train",
-            method_opts,
+        config = RunConfig.build(
+            method, profile, clusters=clusters, stages=stages, backend=backend, calibrate=calibrate, **settings
         )
         validate(config, out)
     except (ProfileError, RunError, ValueError) as err:
@@ -325,35 +245,14 @@ def run(
 @main.command()
 @click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
 @click.option("--clusters", default=2, show_default=True)
-@click.option(
-    "--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>]."
-)
+@click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
 def calibrate(profile, clusters, out):
     """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
     from harness.runner import RunError, validate
     from harness.runner import run as run_benchmark
 
     try:
-        config = _build_config(
-            "allreduce",
-            profile,
-            TrainConfig.model,
-            clusters,
-            1,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            True,
-            "netns",
-            "calibrate",
-            {},
-        )
+        config = RunConfig.build("allreduce", profile, clusters=clusters, mode="calibrate", calibrate=True)
         validate(config, out)
         if clusters < 2:
             raise ValueError("calibration measures the link between clusters; use --clusters 2 or more")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.profiles import LinkSpec, Profile
+from harness.profiles import LinkSpec, Profile, load_profile
 from trainers.config import OptimConfig, TrainConfig
 
 
@@ -45,6 +45,43 @@ class RunConfig:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def build(
+        cls,
+        method: str,
+        profile: str | Profile,
+        *,
+        clusters: int = 2,
+        stages: int = 1,
+        backend: Literal["netns", "docker"] = "netns",
+        mode: Literal["train", "calibrate"] = "train",
+        calibrate: bool = False,
+        **settings: Any,
+    ) -> RunConfig:
+        """A run from flat settings, as the CLI and sweeps have them.
+
+        Keys that name a TrainConfig field set it; `lr` sets the inner learning rate; every other key is an option
+        of the method (checked against the method's config when the run is validated). None means "default".
+        """
+        settings = {k: v for k, v in settings.items() if v is not None}
+        train_keys = {f.name for f in dataclasses.fields(TrainConfig)} - {"optim"}
+        train_settings = {k: settings.pop(k) for k in list(settings) if k in train_keys}
+        optim = OptimConfig(lr=settings.pop("lr")) if "lr" in settings else OptimConfig()
+        train = TrainConfig(**train_settings, optim=optim)
+        if "throughput_warmup_steps" not in train_settings and train.throughput_warmup_steps >= train.steps:
+            train = dataclasses.replace(train, throughput_warmup_steps=train.steps // 10)
+        return cls(
+            method=method,
+            profile=profile if isinstance(profile, Profile) else load_profile(profile),
+            train=train,
+            method_options=settings,
+            backend=backend,
+            clusters=clusters,
+            stages=stages,
+            mode=mode,
+            calibrate=calibrate,
+        )
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:

@@ -108,6 +108,13 @@ def _rank_results(run_dir: Path, world_size: int) -> dict[int, dict[str, Any]]:
     return found
 
 
+def _hidden_fraction(syncs: list[dict[str, Any]]) -> float | None:
+    """Share of communication time that ran behind computation instead of blocking the training thread."""
+    blocked = sum(e["sync_blocked_s"] for e in syncs)
+    overlapped = sum(e["sync_overlapped_s"] for e in syncs)
+    return overlapped / (blocked + overlapped) if blocked + overlapped > 0 else None
+
+
 def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_record: dict[str, Any]) -> dict:
     """summary.json: the run's headline figures, from the ranks' results and events."""
     world = config.clusters * config.stages
@@ -158,6 +165,7 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "sync_count": len(syncs),
         "comm_blocked_s": sum(e["sync_blocked_s"] for e in syncs),
         "comm_overlapped_s": sum(e["sync_overlapped_s"] for e in syncs),
+        "overlap_hidden_fraction": _hidden_fraction(syncs),
         "final_train_loss": sum(train_losses) / len(train_losses) if train_losses else None,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "initial_val_loss": evals[0]["val_loss"] if evals else None,

@@ -158,7 +158,7 @@ def main() -> int:
         dist.destroy_process_group()
         return 0
     except Exception as err:
-        log({"kind": "error", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
+        writer({"kind": "error", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
         traceback.print_exc()
         return 1
     finally:

@@ -34,6 +34,8 @@ class TrainConfig:
     seed: int = 0
     # Pipeline micro-batches per step when stages > 1 (must be >= stages to keep every stage busy).
     microbatches: int = 0
+    # torch.distributed.pipelining schedule when stages > 1: "1f1b" holds fewer activations than "gpipe".
+    pipeline_schedule: str = "1f1b"
     eval_every: int = 50
     eval_batches: int = 8
     # Steps excluded from throughput: the first steps pay for allocator warm-up and connection set-up.
@@ -50,5 +52,7 @@ class TrainConfig:
             raise ValueError(f"--seq-len must be positive, got {self.seq_len}")
         if self.eval_every < 1:
             raise ValueError(f"--eval-every must be at least 1, got {self.eval_every}")
+        if self.pipeline_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"--pipeline-schedule must be 1f1b or gpipe, got {self.pipeline_schedule!r}")
         if not 0 <= self.throughput_warmup_steps < self.steps:
             raise ValueError(f"--throughput-warmup-steps must be in [0, steps), got {self.throughput_warmup_steps}")

@@ -63,7 +63,7 @@ def train(
     torch.manual_seed(cfg.seed)
     model = DecoderLM(model_cfg)
     stage = build_stage(
-        model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages, "1f1b"
+        model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages, cfg.pipeline_schedule
     )
     corpus = load_corpus(cfg.data)
     batches = replica_batches(corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed)
