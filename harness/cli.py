@@ -145,6 +145,16 @@ def _progress_display():
     return progress, update
 
 
+def _loss_line(summary: dict[str, Any]) -> str:
+    """Whatever losses exist: a failed run may have no final training loss but a validation curve."""
+    parts = []
+    if summary.get("final_train_loss") is not None:
+        parts.append(f"train {summary['final_train_loss']:.3f}")
+    if summary.get("final_val_loss") is not None:
+        parts.append(f"val {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}")
+    return ", ".join(parts) or "-"
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     rows = [
@@ -157,13 +167,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
         ("model", f"{summary['model']} ({summary['param_count'] / 1e6:.2f}M parameters)"),
         ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,}"),
         ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s" if summary.get("tokens_per_s") else "-"),
-        (
-            "loss",
-            f"train {summary['final_train_loss']:.3f}, val {summary['initial_val_loss']:.3f} -> "
-            f"{summary['final_val_loss']:.3f}"
-            if summary.get("final_val_loss")
-            else "-",
-        ),
+        ("loss", _loss_line(summary)),
         (
             "wire bytes",
             f"{summary['wire_bytes']:,} ({summary['wire_bytes_per_token']:.1f} per token; "
@@ -343,6 +347,315 @@ def doctor() -> None:
         mark = "[green]yes[/green]" if check.ok else "[red]no[/red]"
         table.add_row(check.name, f"{mark} {check.detail}", check.meaning)
     console.print(table)
+
+
+# --- sweeps, reports, figures, regime matching and the CI gate (harness/sweep.py, report.py, plots.py, ...) ---
+
+
+def _common_run_flags(command):
+    """The settings every run of a sweep (or check) shares; unset ones keep the dataclasses' defaults."""
+    flags = [
+        click.option("--model", help=f"tiny, small, tiny-qwen, ... [default: {TrainConfig.model}]."),
+        click.option("--clusters", type=int, help="Sites joined by the shaped link [default: 2]."),
+        click.option("--stages", type=int, help="Pipeline stages (ranks) per cluster [default: 1]."),
+        click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}]."),
+        click.option("--batch-size", type=int, help=f"Sequences per replica and step [{TrainConfig.batch_size}]."),
+        click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context]."),
+        click.option("--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}]."),
+        click.option("--throughput-warmup-steps", type=int, help="Steps left out of tokens/s."),
+        click.option("--microbatches", type=int, help="Pipeline micro-batches per step [default: --stages]."),
+        click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}]."),
+        click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib]."),
+        click.option("--backend", type=click.Choice(["netns", "docker"]), help="[default: netns]"),
+    ]
+    for flag in reversed(flags):
+        command = flag(command)
+    return command
+
+
+def _csv(text: str, kind: type = str) -> tuple:
+    try:
+        return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r} must be a comma-separated list of {kind.__name__}s") from None
+
+
+def _method_sets(specs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    from harness.sweep import parse_value
+
+    per_method: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        method, colon, assignment = spec.partition(":")
+        key, equals, value = assignment.partition("=")
+        if not (colon and equals and method and key):
+            raise click.BadParameter(f"{spec!r} must look like METHOD:KEY=VALUE (e.g. opendiloco:local_steps=20)")
+        per_method.setdefault(method, {})[key.replace("-", "_")] = parse_value(value)
+    return per_method
+
+
+class _SweepProgress:
+    """A bar for the sweep and one for the run in progress; a line per finished run."""
+
+    def __init__(self) -> None:
+        self.bars = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.sweep = self.bars.add_task("sweep", total=None, status="")
+        self.run: Any = None
+
+    def started(self, combo, position: int, total: int) -> None:
+        self.bars.update(self.sweep, description=f"run {position}/{total}", total=total, completed=position - 1)
+        self.run = self.bars.add_task(combo.name, total=None, status="building cluster...")
+
+    def progress(self, state: dict[str, Any]) -> None:
+        if "step" not in state:
+            return
+        status = f"loss {state['loss']:.3f}  link {format_rate(state['link_bps'])}" if "loss" in state else ""
+        self.bars.update(self.run, completed=state["step"] + 1, total=state["total_steps"], status=status)
+
+    def finished(self, row) -> None:
+        if self.run is not None:
+            self.bars.remove_task(self.run)
+            self.run = None
+        self.bars.advance(self.sweep)
+        speed = f"{row.tokens_per_s:,.0f} tokens/s" if row.tokens_per_s else ""
+        if row.skipped:
+            self.bars.console.print(f"[dim]skip[/dim]   {row.combination.name} (finished earlier) {speed}")
+        elif row.status == "ok":
+            self.bars.console.print(f"[green]ok[/green]     {row.combination.name} {speed}")
+        else:
+            self.bars.console.print(f"[red]failed[/red] {row.combination.name}: {row.failure}", highlight=False)
+
+
+@main.command()
+@click.option("--methods", required=True, help=f"Comma-separated methods ({', '.join(method_names())}).")
+@click.option("--profiles", default="", help="Comma-separated profile names or profile YAML paths.")
+@click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
+@click.option(
+    "--set",
+    "grid",
+    multiple=True,
+    metavar="KEY=V1,V2",
+    help="Sweep a setting (repeatable; the product is run), e.g. local_steps=10,50 or stages=1,2. "
+    "A method option goes only to the methods that have it.",
+)
+@click.option(
+    "--method-set",
+    multiple=True,
+    metavar="METHOD:KEY=VALUE",
+    help="Fix an option for one method only (repeatable), e.g. opendiloco:local_steps=20.",
+)
+@click.option(
+    "--regime",
+    metavar="TARGET",
+    help="Add a profile whose link rate makes AllReduce as communication-bound as TARGET (paper-107b); "
+    "measured once, written to OUT/profiles/TARGET.yaml.",
+)
+@click.option("--repeats", default=1, show_default=True, help="Runs per combination (e.g. for medians).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Sweep folder (resumed if it exists).")
+@click.option("--force", is_flag=True, help="Rerun finished combinations (and re-derive the regime profile).")
+@_common_run_flags
+@method_option_flags
+def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, force, **flags):
+    """Run methods x profiles x seeds (x --set values) one after another into one sweep folder.
+
+    A finished combination (summary.json with status ok) is skipped, so rerunning the command resumes an
+    interrupted sweep; a failed run is recorded and the sweep goes on. OUT/index.csv lists every run.
+    """
+    from harness.projection import RegimeError, regime_profile
+    from harness.sweep import SweepError, SweepInterrupted, SweepSpec, parse_set, run_sweep
+
+    settings = {k: v for k, v in flags.items() if v is not None}
+    try:
+        spec = SweepSpec(
+            methods=_csv(methods),
+            profiles=_csv(profiles),
+            seeds=_csv(seeds, int),
+            grid=tuple(parse_set(g) for g in grid),
+            settings=settings,
+            per_method=_method_sets(method_set),
+            repeats=repeats,
+        )
+        if not spec.profiles and regime is None:
+            raise SweepError("name at least one profile with --profiles, or use --regime")
+        # Before a regime measurement, check the rest against a stand-in profile: a typo should not cost minutes.
+        dataclasses.replace(spec, profiles=spec.profiles or ("unshaped",)).validate()
+    except (SweepError, ProfileError, click.BadParameter) as err:
+        _fail(str(err))
+    _reexec_if_unprivileged()
+    if regime is not None:
+        try:
+            path, derived = regime_profile(regime, settings, out, force)
+        except (RegimeError, SweepError, ProfileError) as err:
+            _fail(str(err))
+        click.echo(derived.describe() if derived else f"regime {regime}: reusing {path}")
+        spec = dataclasses.replace(spec, profiles=(*spec.profiles, str(path)))
+    display = _SweepProgress()
+    try:
+        with display.bars:
+            rows = run_sweep(spec, out, force=force, observer=display)
+    except SweepError as err:
+        _fail(str(err))
+    except SweepInterrupted as err:
+        console.print(f"[yellow]sweep interrupted[/yellow] ({err}); run the same command again to resume it")
+        sys.exit(130)
+    failed = [r for r in rows if r.status != "ok"]
+    console.print(
+        f"{len(rows) - len(failed)} of {len(rows)} runs ok; index: {out / 'index.csv'}; "
+        f"next: harness report {out}",
+        highlight=False,
+    )
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.option("--target", default="paper-107b", show_default=True, help="The published regime to match.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Profile YAML to write [default: results/profiles/TARGET-MODEL.yaml]"
+)
+@_common_run_flags
+def regime(target, out, **flags):
+    """Derive the link rate at which AllReduce is as communication-bound as TARGET, and write it as a profile.
+
+    Measures this machine's compute time per step with a few `local` steps, then
+    rate = 8 P / (R T_c): P gradient bytes per step on a cluster's uplink, R = T_comm / T_c of the target.
+    """
+    import tempfile
+
+    from harness.projection import RegimeError, derive_regime, get_target, write_regime_profile
+    from harness.sweep import SweepError, build_config
+
+    settings = {k: v for k, v in flags.items() if v is not None}
+    try:
+        get_target(target)
+        build_config("local", "unshaped", 0, settings)
+    except (RegimeError, SweepError, ValueError) as err:
+        _fail(str(err))
+    _reexec_if_unprivileged()
+    with tempfile.TemporaryDirectory(prefix="harness-regime-") as work:
+        try:
+            derived = derive_regime(target, settings, Path(work))
+        except (RegimeError, SweepError, ValueError) as err:
+            _fail(str(err))
+    path = write_regime_profile(derived, out or Path("results") / "profiles" / f"{target}-{derived.model}.yaml")
+    click.echo(derived.describe())
+    click.echo(f"profile: {path} (use it with --profile {path})")
+
+
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--target-loss",
+    type=float,
+    help="Validation loss for the time/tokens-to-target columns [default: per group, the highest final "
+    "validation loss of its synchronized methods, which every run reaches].",
+)
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Write the comparison as CSV.")
+@click.option("--parquet", "parquet_path", type=click.Path(path_type=Path), help="Write it as parquet (needs pyarrow).")
+@click.option("--tables", type=click.Path(path_type=Path), help="Write the tidy runs.csv and events.csv here.")
+def report(results, target_loss, csv_path, parquet_path, tables):
+    """Compare runs (run folders, sweep folders, or folders of them) as a markdown table per profile."""
+    from harness.report import ReportError, comparison, load_runs, markdown, write_csv, write_parquet, write_tables
+
+    try:
+        loaded = load_runs(list(results))
+        compared = comparison(loaded, target_loss)
+        written = []
+        if csv_path:
+            written.append(write_csv(compared, csv_path))
+        if parquet_path:
+            written.append(write_parquet(compared, parquet_path))
+        if tables:
+            written += write_tables(loaded, tables)
+    except ReportError as err:
+        _fail(str(err))
+    click.echo(markdown(compared, loaded.runs))
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+
+
+@main.command()
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), help="Figure folder [default: RESULTS/figures].")
+def plot(results, out):
+    """Loss, throughput and step-time figures (PNG and SVG), one set per profile and model."""
+    from harness.plots import plot_all
+    from harness.report import ReportError, load_runs
+
+    out = out or results[0] / "figures"
+    try:
+        written = plot_all(load_runs(list(results)), out)
+    except ReportError as err:
+        _fail(str(err))
+    for path in written:
+        console.print(f"wrote {path}", highlight=False)
+
+
+@main.command()
+@click.option("--baseline", required=True, type=click.Path(path_type=Path), help="Baseline YAML (ratios to hold).")
+@click.option(
+    "--results",
+    type=click.Path(exists=True, path_type=Path),
+    help="Read the runs from this folder instead of running them.",
+)
+@click.option("--repeats", default=3, show_default=True, help="Runs per method and profile; the median counts.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Where new runs go [default: a new harness-check-* temp folder]."
+)
+def check(baseline, results, repeats, out):
+    """Exit 1 when a throughput ratio in the baseline falls short; 0 when all hold; 2 on a bad baseline.
+
+    A ratio holds when measured >= min_ratio * (1 - tolerance).
+    """
+    import tempfile
+
+    from harness.regress import BaselineError, check, load_baseline, run_needed
+    from harness.report import ReportError, markdown_table
+    from harness.sweep import SweepError
+
+    try:
+        spec = load_baseline(baseline)
+    except BaselineError as err:
+        _fail(str(err))
+    if results is None:
+        _reexec_if_unprivileged()
+        results = out or Path(tempfile.mkdtemp(prefix="harness-check-"))
+        console.print(f"running what {baseline} needs ({repeats} run(s) each) into {results}", highlight=False)
+        display = _SweepProgress()
+        try:
+            with display.bars:
+                run_needed(spec, results, repeats, observer=display)
+        except SweepError as err:
+            _fail(str(err))
+    try:
+        outcomes = check(spec, [results])
+    except (BaselineError, ReportError) as err:
+        _fail(str(err))
+    # Plain markdown, not a rich table: CI logs are narrow and a wrapped verdict is easy to miss.
+    header = ["result", "method / baseline", "profile", "metric", "measured", "min_ratio", "threshold", "medians (n)"]
+    rows = [
+        [
+            "holds" if o.ok else "FALLS SHORT",
+            f"{o.spec.method} / {o.spec.baseline}",
+            o.spec.profile_name,
+            o.spec.metric,
+            f"{o.measured:.3g}x" if o.measured is not None else "no runs",
+            f"{o.spec.min_ratio:g}x",
+            f"{o.threshold:.3g}x",
+            f"{o.method_value or 0:,.0f} ({o.method_runs}) / {o.baseline_value or 0:,.0f} ({o.baseline_runs})",
+        ]
+        for o in outcomes
+    ]
+    click.echo(markdown_table(header, rows, text_columns=4))
+    short = [o for o in outcomes if not o.ok]
+    click.echo(f"{len(outcomes) - len(short)} of {len(outcomes)} ratios hold (tolerance {spec.tolerance:g})")
+    click.echo(f"runs: {results}")
+    sys.exit(1 if short else 0)
 
 
 if __name__ == "__main__":

@@ -18,17 +18,18 @@ def link_names() -> set[str]:
         return {link.get_attr("IFLA_IFNAME") for link in ip.get_links()}
 
 
-def worker_pids(marker: str) -> list[int]:
-    """PIDs of processes whose command line mentions `marker` (a run's results folder)."""
+def worker_pids(run_dir: str) -> list[int]:
+    """PIDs of the workers of exactly one run: `python -m harness.worker --run-dir RUN_DIR`, matched argument by
+    argument, so a test never touches another run's processes."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "harness.worker" in cmdline and marker in cmdline:
+        if "harness.worker" in argv and "--run-dir" in argv and run_dir in argv:
             found.append(int(entry.name))
     return found
 
@@ -37,11 +38,11 @@ def snapshot() -> dict[str, set[str]]:
     return {"netns": netns_names(), "links": link_names()}
 
 
-def leftovers(before: dict[str, set[str]], marker: str) -> dict[str, object]:
+def leftovers(before: dict[str, set[str]], run_dir: str) -> dict[str, object]:
     """Everything present now that was not before, plus any worker of the run still alive."""
     now = snapshot()
     found = {k: sorted(now[k] - before[k]) for k in now if now[k] - before[k]}
-    pids = worker_pids(marker)
+    pids = worker_pids(run_dir)
     if pids:
         found["workers"] = pids
     return found

@@ -50,8 +50,13 @@ def wait_for_steps(out: Path, rank: int, steps: int, proc: subprocess.Popen, tim
     raise AssertionError(f"rank {rank} logged fewer than {steps} steps in {timeout}s")
 
 
+def run_marker(out: Path) -> str:
+    """The staging folder every worker of this run has on its command line (--run-dir): unique to the run."""
+    return str(out.parent / f".{out.name}.partial")
+
+
 def rank_pid(out: Path, rank: int) -> int:
-    for pid in worker_pids(out.name):
+    for pid in worker_pids(run_marker(out)):
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         if f"RANK={rank}".encode() in environ:
             return pid
@@ -78,7 +83,7 @@ def test_allreduce_trains_and_counts_its_bytes_on_the_wire(tmp_path):
     environment = json.loads((out / "environment.json").read_text())
     shaped = [q for q in environment["kernel_qdiscs"] if q["kind"] == "tbf"]
     assert len(shaped) == 4 and all(q["rate_bps"] == 10**9 for q in shaped)
-    assert leftovers(before, out.name) == {}
+    assert leftovers(before, run_marker(out)) == {}
 
 
 def test_calibration_measures_the_shaped_rate(tmp_path):
@@ -90,7 +95,7 @@ def test_calibration_measures_the_shaped_rate(tmp_path):
     # Above 0.8: the link is usable; below 1.0: tbf really limits it (an unshaped veth runs at several Gbit/s).
     assert 0.8e8 < busbw < 1.0e8, busbw
     assert "of the configured rate" in result.stdout
-    assert leftovers(before, out.name) == {}
+    assert leftovers(before, run_marker(out)) == {}
 
 
 def test_ctrl_c_during_training_fails_the_run_and_cleans_up(tmp_path):
@@ -109,7 +114,7 @@ def test_ctrl_c_during_training_fails_the_run_and_cleans_up(tmp_path):
     summary = summary_of(out)
     assert summary["status"] == "failed" and "SIGINT" in summary["failure"]
     assert summary["steps"] >= 2
-    assert leftovers(before, out.name) == {}
+    assert leftovers(before, run_marker(out)) == {}
 
 
 def test_killed_worker_is_named_and_the_run_kept_as_failed(tmp_path):
@@ -129,7 +134,7 @@ def test_killed_worker_is_named_and_the_run_kept_as_failed(tmp_path):
     assert summary["status"] == "failed"
     assert summary["failure"] == "rank 1 (cluster 1, stage 0) was killed by SIGKILL"
     assert summary["steps"] >= 2  # the events written before the kill are kept
-    assert leftovers(before, out.name) == {}
+    assert leftovers(before, run_marker(out)) == {}
 
 
 def test_worker_that_raises_fails_the_run_with_its_error(tmp_path):
@@ -145,7 +150,7 @@ def test_worker_that_raises_fails_the_run_with_its_error(tmp_path):
         "rank 1 (cluster 1, stage 0) exited with code 1: RuntimeError: injected"
     )
     assert "Traceback" in (out / "logs" / "rank1.log").read_text()
-    assert leftovers(before, out.name) == {}
+    assert leftovers(before, run_marker(out)) == {}
 
 
 def test_killed_harness_takes_its_workers_with_it(tmp_path):
@@ -161,9 +166,9 @@ def test_killed_harness_takes_its_workers_with_it(tmp_path):
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 10
-    while worker_pids(out.name) and time.monotonic() < deadline:
+    while worker_pids(run_marker(out)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert worker_pids(out.name) == []
+    assert worker_pids(run_marker(out)) == []
     # Namespaces cannot clean themselves up after a SIGKILL of their creator; `harness cleanup` removes them.
     result = harness("cleanup", "--run-key", run_key)
     assert result.returncode == 0, result.stdout + result.stderr
