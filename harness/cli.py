@@ -59,11 +59,13 @@ def _method_options() -> dict[str, tuple[Any, dict[str, Any]]]:
 
 
 class _OptionalInt(click.ParamType):
+    """An integer, or 'none' to switch the setting off (kept as the string: None means 'not given')."""
+
     name = "INTEGER|none"
 
     def convert(self, value, param, ctx):
-        if value is None or isinstance(value, int) or str(value).lower() == "none":
-            return None if value is None or str(value).lower() == "none" else value
+        if isinstance(value, int) or str(value).lower() == "none":
+            return value if isinstance(value, int) else "none"
         try:
             return int(value)
         except ValueError:
@@ -506,8 +508,7 @@ def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, forc
         sys.exit(130)
     failed = [r for r in rows if r.status != "ok"]
     console.print(
-        f"{len(rows) - len(failed)} of {len(rows)} runs ok; index: {out / 'index.csv'}; "
-        f"next: harness report {out}",
+        f"{len(rows) - len(failed)} of {len(rows)} runs ok; index: {out / 'index.csv'}; next: harness report {out}",
         highlight=False,
     )
     sys.exit(1 if failed else 0)

@@ -41,8 +41,7 @@ class RunFolder:
             ancestor = ancestor.parent
         if not ancestor.is_dir():
             raise ResultsError(
-                f"cannot write results under {self.final.parent} ({ancestor} is not a directory); "
-                "pass a writable --out"
+                f"cannot write results under {self.final.parent} ({ancestor} is not a directory); pass a writable --out"
             )
         # A real probe: permission bits say nothing for root, and some file systems (/proc) refuse regardless.
         try:
@@ -121,7 +120,8 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
     ranks = _rank_results(run_dir, world)
     events = {r: read_events(run_dir / "events" / f"rank{r}.jsonl") for r in range(world)}
     steps = [e for e in events[0] if e["kind"] == "step"]
-    syncs = [e for e in steps if "sync_payload_bytes" in e]
+    # A method's last exchange may complete in finish(), logged as its own event after the last step.
+    syncs = [e for e in events[0] if e["kind"] in ("step", "finish") and "sync_payload_bytes" in e]
     last_stage = [c * config.stages + config.stages - 1 for c in range(config.clusters)]
     first_stage = [c * config.stages for c in range(config.clusters)]
     evals = [e for e in events[last_stage[0]] if e["kind"] == "eval"]
@@ -160,7 +160,7 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "wire_bytes": sum(wire) if len(wire) == config.clusters and config.clusters > 1 else None,
         "wire_bytes_per_token": sum(wire) / tokens if wire and tokens and config.clusters > 1 else None,
         "payload_bytes": sum(
-            e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r] if e["kind"] == "step"
+            e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r] if e["kind"] in ("step", "finish")
         ),
         "sync_count": len(syncs),
         "comm_blocked_s": sum(e["sync_blocked_s"] for e in syncs),

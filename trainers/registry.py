@@ -8,12 +8,16 @@ from typing import Any
 from trainers.allreduce import AllReduce, AllReduceConfig
 from trainers.cocktail import Cocktail, CocktailConfig
 from trainers.diloco import DiLoCo, DiLoCoConfig
+from trainers.dilocox import DiLoCoX, DiLoCoXConfig
+from trainers.local import Local, LocalConfig
 from trainers.method import Method, MethodContext
 
 METHODS: dict[str, tuple[type, type[Method]]] = {
     "allreduce": (AllReduceConfig, AllReduce),
     "opendiloco": (DiLoCoConfig, DiLoCo),
     "cocktail": (CocktailConfig, Cocktail),
+    "dilocox": (DiLoCoXConfig, DiLoCoX),
+    "local": (LocalConfig, Local),
 }
 
 
@@ -26,7 +30,8 @@ def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
     config_cls, _ = METHODS[name]
-    options = {k: v for k, v in (options or {}).items() if v is not None}
+    # None means "not set"; the string "none" is how a user turns an optional setting off (e.g. --bits none).
+    options = {k: None if v == "none" else v for k, v in (options or {}).items() if v is not None}
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(options) - fields)
     if unknown:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from trainers.config import TrainConfig
 from trainers.data import load_corpus, replica_batches, validation_batches
-from trainers.method import MethodContext, SyncReport
+from trainers.method import MethodContext
 from trainers.models import DecoderLM, count_parameters, get_model_config
 from trainers.pipeline import build_stage
 from trainers.registry import build_method
@@ -35,17 +35,6 @@ class ParallelContext:
     stages: int
     pipeline_group: dist.ProcessGroup | None
     data_parallel_group: dist.ProcessGroup | None
-
-
-def _merge_reports(first: SyncReport | None, second: SyncReport | None) -> SyncReport | None:
-    if first is None or second is None:
-        return first or second
-    return SyncReport(
-        first.payload_bytes + second.payload_bytes,
-        first.blocked_s + second.blocked_s,
-        first.overlapped_s + second.overlapped_s,
-        {**first.fields, **second.fields},
-    )
 
 
 def train(
@@ -123,8 +112,8 @@ def train(
         loss = stage.forward_backward(inputs, targets)
         computed = time.perf_counter()
         report = method.step(step)
-        if step == cfg.steps - 1:
-            report = _merge_reports(report, method.finish())
+        # Communication still in flight after the last step belongs to the run: drain it inside the window.
+        final_report = method.finish() if step == cfg.steps - 1 else None
         ended = time.perf_counter()
         losses.append(loss)
         event = {
@@ -141,6 +130,8 @@ def train(
         if read_wire_bytes:
             event["wire_bytes"] = read_wire_bytes() - wire_start
         log(event)
+        if final_report is not None:
+            log({"kind": "finish", "step": step, **{f"sync_{k}": v for k, v in final_report.as_event().items()}})
         if step + 1 == cfg.throughput_warmup_steps:
             window_start = ended
             eval_s_at_window_start = eval_s_total

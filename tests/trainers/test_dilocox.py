@@ -1,0 +1,361 @@
+"""DiLoCoX: the adaptive rule and error feedback in one process; the exchange in two real processes (gloo over
+loopback), driven step by step as the train loop does.
+
+Spawning is the slow part, so every two-process scenario runs in one spawn (the `two_replicas` fixture) and each
+test checks its own scenario's results.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+from collections import deque
+from datetime import timedelta
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainers.comm import allgather_payload_bytes
+from trainers.compression import low_rank_nbytes, quantized_nbytes
+from trainers.config import OptimConfig
+from trainers.data import load_corpus, replica_batches
+from trainers.diloco import DiLoCo, DiLoCoConfig
+from trainers.dilocox import DiLoCoX, DiLoCoXConfig, adapted_schedule
+from trainers.method import MethodContext
+from trainers.models import DecoderLM, get_model_config
+from trainers.registry import build_method, method_config
+
+WORLD = 2
+# A constant, large inner learning rate makes every inner step move the weights visibly.
+TOY_OPTIM = OptimConfig(lr=1e-2, warmup_fraction=0.0, min_lr_ratio=1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context(model: torch.nn.Module, optim: OptimConfig, steps: int, group) -> MethodContext:
+    return MethodContext(list(model.named_parameters()), group, None, optim, steps, seed=0)
+
+
+def _params(tensors) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+def _toy_model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 4)
+
+
+def _toy_backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"local_steps": 0}, "--local-steps must be at least 1, got 0"),
+        ({"outer_lr": 0.0}, "--outer-lr"),
+        ({"outer_momentum": 1.0}, "--outer-momentum"),
+        ({"rank": 0}, "--rank must be at least 1, got 0"),
+        ({"bits": 3}, "--bits must be one of 2, 4, 8; got 3"),
+        ({"bucket_size": 0}, "--bucket-size"),
+        ({"rank_window": 0}, "--rank-window"),
+        ({"energy": 0.0}, "--energy"),
+        ({"energy": 1.5}, "--energy"),
+        ({"min_rank": 0}, "--min-rank"),
+        ({"rank": 8, "min_rank": 9}, "--min-rank"),
+        ({"local_steps": 10, "max_local_steps": 9}, "--max-local-steps"),
+    ],
+)
+def test_bad_config_names_the_flag(options, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCoXConfig(**options)
+    with pytest.raises(ValueError, match=message):
+        method_config("dilocox", options)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The adaptive rule
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_rank_follows_the_window_mean_within_bounds():
+    cfg = DiLoCoXConfig(local_steps=10, rank=32, min_rank=4, rank_window=3)
+    assert adapted_schedule([32, 32, 32], cfg) == (32, 10)
+    assert adapted_schedule([20, 21, 22], cfg)[0] == 21
+    assert adapted_schedule([20, 21, 21], cfg)[0] == 21  # 20.67 rounds up
+    assert adapted_schedule([60, 70, 80], cfg)[0] == 32  # never above r_1
+    assert adapted_schedule([1, 1, 2], cfg)[0] == 4  # never below min_rank
+
+    # Fed one estimate per outer step, as the method does: the window starts full of r_1.
+    window = deque([cfg.rank] * cfg.rank_window, maxlen=cfg.rank_window)
+    ranks, steps = [], []
+    for estimate in [8, 8, 8, 8, 30, 30, 30]:
+        window.append(estimate)
+        r, h = adapted_schedule(window, cfg)
+        assert r == max(cfg.min_rank, min(cfg.rank, math.ceil(sum(window) / len(window))))
+        ranks.append(r)
+        steps.append(h)
+    assert ranks == [24, 16, 8, 8, 16, 23, 30]
+    # A smaller rank gives longer rounds: H is non-increasing in r, and capped at 4 H_1 by default.
+    for (r1, h1), (r2, h2) in pairwise(zip(ranks, steps, strict=True)):
+        assert (r2 - r1) * (h2 - h1) <= 0
+    assert steps[:3] == [13, 20, 40]
+    assert adapted_schedule([4, 4, 4], cfg)[1] == 40
+    assert adapted_schedule([4, 4, 4], DiLoCoXConfig(local_steps=10, max_local_steps=25))[1] == 25
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Error feedback (one cluster: the average is this replica's own transmitted pseudo-gradient)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_error_feedback_conserves_the_signal_over_rounds():
+    """With lr 1 and no momentum, theta_0 - theta_final is the sum of what was transmitted, so
+    sum(delta) == (theta_0 - theta_final) + residual: compression delays signal, never loses it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(24, 16)
+    cfg = DiLoCoXConfig(local_steps=2, outer_lr=1.0, outer_momentum=0.0, rank=8, bits=2, min_rank=2, rank_window=2)
+    method = DiLoCoX(_context(model, TOY_OPTIM, 40, None), cfg)
+    theta_0 = _params(method.global_params)
+    g = torch.Generator().manual_seed(1)
+    delta_sum = [torch.zeros_like(t) for t in theta_0]
+    ranks = set()
+    for step in range(40):
+        # Set the local weights directly (no .grad, so the inner step leaves them): delta = -offset exactly.
+        offsets = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+        with torch.no_grad():
+            for p, global_param, offset in zip(model.parameters(), method.global_params, offsets, strict=True):
+                p.copy_(global_param + offset)
+        report = method.step(step)
+        if report is not None:
+            assert report.payload_bytes == 0 and report.fields["compression_error"] > 0.1
+            ranks.add(report.fields["rank_r"])
+            for total, offset in zip(delta_sum, offsets, strict=True):
+                total -= offset
+    method.finish()
+    # The rank changed along the way, so payloads were decoded with the rank they were encoded with.
+    assert len(ranks) > 1
+    names = [name for name, _ in model.named_parameters()]
+    for name, before, after, total in zip(names, theta_0, method.global_params, delta_sum, strict=True):
+        residual = method.error_feedback.residuals[name]
+        assert residual.abs().max() > 0.1
+        torch.testing.assert_close((before - after) + residual, total, rtol=0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Two processes
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _equivalence_scenario(rank: int) -> dict:
+    """OpenDiLoCo and DiLoCoX with every part off, side by side on copies of one model fed the same gradients."""
+    steps, local_steps = 6, 2
+    a = _toy_model()
+    b = copy.deepcopy(a)
+    diloco = DiLoCo(_context(a, TOY_OPTIM, steps, dist.group.WORLD), DiLoCoConfig(local_steps=local_steps))
+    cfg = DiLoCoXConfig(local_steps=local_steps, overlap=False, compression=False, adaptive=False)
+    dilocox = DiLoCoX(_context(b, TOY_OPTIM, steps, dist.group.WORLD), cfg)
+    payloads = []
+    for step in range(steps):
+        _toy_backward(a, rank, step)
+        _toy_backward(b, rank, step)
+        reports = diloco.step(step), dilocox.step(step)
+        if reports[0] is not None or reports[1] is not None:
+            payloads.append(tuple(r.payload_bytes for r in reports))
+    return {
+        "initial": _params(_toy_model().parameters()),
+        "diloco": _params(diloco.global_params),
+        "dilocox": _params(dilocox.global_params),
+        "dilocox_local": _params(b.parameters()),
+        "payloads": payloads,
+        "finish": dilocox.finish(),
+    }
+
+
+def _offset(rank: int, round_: int, shape: torch.Size) -> torch.Tensor:
+    """A replica's known progress in a round: multiples of 1/8, exact in fp32 and fp16."""
+    pattern = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) % 4 - 1.5
+    return pattern * 0.125 * (rank + 1) * round_
+
+
+def _delay_scenario(rank: int) -> dict:
+    """Round length 2, the local weights set by hand at each round's end, fp16 exchange, lr 0.5, no momentum."""
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+        model.bias.fill_(0.25)
+    cfg = DiLoCoXConfig(local_steps=2, outer_lr=0.5, outer_momentum=0.0, compression=False, adaptive=False)
+    method = DiLoCoX(_context(model, TOY_OPTIM, 4, dist.group.WORLD), cfg)
+    out = {"theta_0": _params(method.global_params), "after": [], "local_after": [], "reports": []}
+    for step in range(4):
+        if step % 2:
+            # The round ends now: the replica's weights moved by a known offset from where the round started.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p += _offset(rank, step // 2 + 1, p.shape)
+        report = method.step(step)
+        if report is not None:
+            out["after"].append(_params(method.global_params))
+            out["local_after"].append(_params(model.parameters()))
+            out["reports"].append(report.as_event())
+    out["finish"] = method.finish().as_event()
+    out["final"] = _params(method.global_params)
+    out["final_local"] = _params(model.parameters())
+    return out
+
+
+def _train_scenario(rank: int) -> dict:
+    """The `tiny` LM on this replica's shard, with every part of DiLoCoX on (overlap, compression, adaptation)."""
+    steps = 60
+    torch.manual_seed(0)
+    model = DecoderLM(get_model_config("tiny"))
+    batches = replica_batches(load_corpus(max_bytes=1 << 20), rank, WORLD, batch_size=8, seq_len=64, seed=0)
+    ctx = _context(model, OptimConfig(), steps, dist.group.WORLD)
+    method = build_method("dilocox", method_config("dilocox", {"local_steps": 10}), ctx)
+    losses, reports = [], {}
+    for step in range(steps):
+        inputs, targets = next(batches)
+        loss = model(inputs, targets)
+        loss.backward()
+        losses.append(loss.item())
+        report = method.step(step)
+        if report is not None:
+            reports[step] = report.as_event()
+    finish = method.finish()
+    return {
+        "losses": losses,
+        "reports": reports,
+        "finish": None if finish is None else finish.as_event(),
+        "global": _params(method.global_params),
+        "rank_r": method.compressor.rank,
+        "local_steps": method.local_steps,
+        "shapes": [p.shape for p in model.parameters()],
+        "state_bytes": method.optimizer_state_bytes(),
+    }
+
+
+def _all_scenarios(rank: int) -> dict:
+    return {"equivalence": _equivalence_scenario(rank), "delay": _delay_scenario(rank), "train": _train_scenario(rank)}
+
+
+def _worker(rank: int, port: int, out_dir: Path) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        torch.save(_all_scenarios(rank), out_dir / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory) -> dict[str, list[dict]]:
+    """Scenario name -> each rank's results."""
+    out_dir = tmp_path_factory.mktemp("dilocox")
+    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {name: [out[name] for out in results] for name in results[0]}
+
+
+def test_every_part_off_is_opendiloco(two_replicas):
+    for out in two_replicas["equivalence"]:
+        moved = max((a - b).abs().max().item() for a, b in zip(out["diloco"], out["initial"], strict=True))
+        assert moved > 1e-2
+        for theirs, ours, local in zip(out["diloco"], out["dilocox"], out["dilocox_local"], strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+            assert torch.equal(local, ours)
+        # Three rounds, the same fp16 all-reduce bytes, and nothing left in flight.
+        assert len(out["payloads"]) == 3 and all(a == b > 0 for a, b in out["payloads"])
+        assert out["finish"] is None
+
+
+def test_overlap_applies_exactly_the_previous_round_average(two_replicas):
+    out, other = two_replicas["delay"]
+    lr = 0.5
+
+    def average(round_: int) -> list[torch.Tensor]:
+        return [-(_offset(0, round_, t.shape) + _offset(1, round_, t.shape)) / 2 for t in out["theta_0"]]
+
+    delta_1, delta_2 = average(1), average(2)
+    # Round 1: no average to apply yet, theta stays theta_0 and both replicas restart from it.
+    for theta_0, after, local in zip(out["theta_0"], out["after"][0], out["local_after"][0], strict=True):
+        assert torch.equal(after, theta_0) and torch.equal(local, theta_0)
+    # Round 2: theta_2 = theta_0 - lr * Delta_1, and Delta_2 (measured from theta_1 = theta_0) is still in flight.
+    for theta_0, d1, after, local in zip(out["theta_0"], delta_1, out["after"][1], out["local_after"][1], strict=True):
+        assert torch.equal(after, theta_0 - lr * d1) and torch.equal(local, after)
+    # finish() lands Delta_2: training ends on a theta that holds both rounds.
+    for theta_0, d1, d2, final, local in zip(
+        out["theta_0"], delta_1, delta_2, out["final"], out["final_local"], strict=True
+    ):
+        assert not torch.equal(d2, torch.zeros_like(d2))
+        assert torch.equal(final, theta_0 - lr * d1 - lr * d2) and torch.equal(local, final)
+    assert [r["round"] for r in out["reports"]] == [1, 2]
+    assert out["reports"][0]["blocked_s"] == out["reports"][0]["overlapped_s"] == 0.0
+    assert out["reports"][1]["staleness"] is None  # the first average has none before it
+    assert out["finish"]["payload_bytes"] == 0
+    # ||Delta_2 - Delta_1|| / ||Delta_1|| with Delta_2 = 2 Delta_1.
+    assert out["finish"]["staleness"] == pytest.approx(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(other["final"], out["final"], strict=True))
+
+
+def _payload_formula(shapes: list[torch.Size], rank: int, bits: int = 4, bucket_size: int = 128) -> int:
+    return sum(
+        low_rank_nbytes(shape, rank, bits, bucket_size)
+        if len(shape) >= 2
+        else quantized_nbytes(math.prod(shape), bits, bucket_size)
+        for shape in shapes
+    )
+
+
+def test_payload_on_the_wire_is_low_rank_int4(two_replicas):
+    for out in two_replicas["train"]:
+        assert out["reports"]
+        for report in out["reports"].values():
+            nbytes = _payload_formula(out["shapes"], report["rank_r"])
+            assert report["payload_bytes"] == allgather_payload_bytes(nbytes, WORLD)
+        # The tiny model at r_1 = 32: a 20x smaller exchange than fp32.
+        fp32_bytes = 4 * sum(math.prod(shape) for shape in out["shapes"])
+        assert fp32_bytes / _payload_formula(out["shapes"], 32) > 20
+        # AdamW moments, outer momentum, theta and the residuals: five fp32 copies of the stage.
+        numel = fp32_bytes // 4
+        assert 5 * 4 * numel <= out["state_bytes"] < 5 * 4 * numel + 1024
+
+
+def test_two_replicas_learn_agree_and_adapt(two_replicas):
+    first, second = two_replicas["train"]
+    for out in two_replicas["train"]:
+        # From 5.56 (ln 256, uniform over bytes) to about 3.2 on either replica (overlap costs a round).
+        assert out["losses"][0] > 5.3
+        assert sum(out["losses"][-10:]) / 10 < 4.0
+        rounds = [r["round"] for r in out["reports"].values()]
+        assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 3
+        assert out["finish"] is not None and out["finish"]["payload_bytes"] == 0
+        for report in out["reports"].values():
+            assert 0 < report["compression_error"] < 1
+            assert report["blocked_s"] >= 0 and report["overlapped_s"] >= 0
+    # The rank fell and the rounds grew, identically on both replicas: both derive them from the same average.
+    assert sorted(first["reports"]) == sorted(second["reports"])
+    for step, report in first["reports"].items():
+        for key in ("round", "rank_r", "local_steps_h", "estimated_rank", "staleness", "payload_bytes"):
+            assert report.get(key) == second["reports"][step].get(key), (step, key)
+    assert (first["rank_r"], first["local_steps"]) == (second["rank_r"], second["local_steps"])
+    assert first["rank_r"] < 32 and first["local_steps"] > 10
+    for a, b in zip(first["global"], second["global"], strict=True):
+        assert torch.equal(a, b)
