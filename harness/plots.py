@@ -1,0 +1,218 @@
+"""The comparison figures, PNG and SVG, one set per comparable group of runs (harness/report.py's GROUP_KEYS).
+
+    loss-<group>        validation loss vs tokens and vs training wall-clock, per method (mean over seeds)
+    throughput-<group>  tokens/s per method on a log axis, each bar labelled with its ratio to AllReduce
+    breakdown-<group>   where a training step's time goes: compute, communication the training thread waited for
+                        (blocked), and communication that ran during compute (overlapped, hidden)
+
+A group is named <profile>-<model>, with the cluster shape and step count appended when several groups share both.
+A method keeps its colour in every figure. Figures are built as matplotlib Figure objects without pyplot, so they
+render with the Agg canvas whatever backend the machine is configured for, and nothing global is left behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
+
+from harness.profiles import format_rate
+from harness.report import BASELINE, CEILING, GROUP_KEYS, RunTables, comparison, eval_curve
+
+FORMATS = ("png", "svg")
+COMPUTE, BLOCKED, OVERLAPPED = "#4c72b0", "#c44e52", "#dd8452"
+
+
+def _title(kind: str, group: pd.DataFrame) -> str:
+    run = group.iloc[0]
+    rate = run["link_rate_bps"]
+    link = "unshaped" if rate is None or pd.isna(rate) else format_rate(rate)
+    stages = f"{run['stages']} stage" + ("s" if run["stages"] != 1 else "")
+    return (
+        f"{kind}\nprofile {run['profile']} ({link} between clusters) · model {run['model']} "
+        f"({run['param_count'] / 1e6:.2f}M params) · {run['clusters']} clusters x {stages} · {run['steps']} steps"
+    )
+
+
+def _slug(key: tuple, keys: list[tuple]) -> str:
+    profile, model, clusters, stages, steps = key
+    slug = f"{profile}-{model}"
+    if sum(1 for k in keys if k[:2] == key[:2]) > 1:
+        slug += f"-c{clusters}s{stages}-{steps}steps"
+    return slug
+
+
+def _colors(variants: list[str]) -> dict[str, str]:
+    palette = matplotlib.colormaps["tab10"].colors
+    return {v: matplotlib.colors.to_hex(palette[i % len(palette)]) for i, v in enumerate(variants)}
+
+
+def _save(fig: Figure, out: Path, name: str) -> list[Path]:
+    paths = []
+    for fmt in FORMATS:
+        path = out / f"{name}.{fmt}"
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+        paths.append(path)
+    return paths
+
+
+def loss_figure(group: pd.DataFrame, evals: pd.DataFrame, colors: dict[str, str]) -> Figure:
+    fig = Figure(figsize=(12, 4.8))
+    by_tokens, by_time = fig.subplots(1, 2, sharey=True)
+    curves = {}
+    for variant in colors:
+        run_ids = group[group["variant"] == variant]["run_id"]
+        curve = evals[evals["run_id"].isin(run_ids)].groupby("step")[["tokens", "val_loss", "elapsed_s"]]
+        if len(curve):
+            curves[variant] = (len(run_ids), curve.mean(), curve.std().fillna(0.0))
+    finals = [mean["elapsed_s"].iloc[-1] for _, mean, _ in curves.values()]
+    # Slow baselines on a regime-matched link take hundreds of times longer; a linear axis would hide the rest.
+    log_time = bool(finals) and min(finals) > 0 and max(finals) / min(finals) > 20
+    for variant, (n, mean, std) in curves.items():
+        label = f"{variant} (n={n})" + (", unsynchronized" if variant == CEILING else "")
+        # The ceiling is drawn dashed: its loss is one unsynchronized replica's, not a trained global model's.
+        style = "o--" if variant == CEILING else "o-"
+        by_tokens.plot(mean["tokens"], mean["val_loss"], style, ms=3, color=colors[variant], label=label)
+        by_tokens.fill_between(
+            mean["tokens"], mean["val_loss"] - std["val_loss"], mean["val_loss"] + std["val_loss"],
+            color=colors[variant], alpha=0.15, linewidth=0,
+        )  # fmt: skip
+        # The evaluation before training (at 0 s) has no place on a log axis.
+        timed = mean[mean["elapsed_s"] > 0] if log_time else mean
+        by_time.plot(timed["elapsed_s"], timed["val_loss"], style, ms=3, color=colors[variant], label=label)
+    by_tokens.set_xlabel("tokens trained (all clusters)")
+    by_tokens.set_ylabel("validation loss (nats per token)")
+    by_tokens.set_title("vs tokens: sample efficiency")
+    by_time.set_xlabel("training wall-clock (s, evaluation excluded)")
+    by_time.set_title("vs wall-clock: what the link costs")
+    if log_time:
+        by_time.set_xscale("log")
+        by_time.set_xlabel("training wall-clock (s, log scale, evaluation excluded)")
+    by_tokens.xaxis.set_major_formatter(EngFormatter(sep=""))
+    for ax in (by_tokens, by_time):
+        ax.grid(alpha=0.3)
+    by_tokens.legend(title="method (seeds)", fontsize=9)
+    fig.suptitle(_title("Validation loss (mean over seeds; band: ± 1 std)", group))
+    fig.tight_layout()
+    return fig
+
+
+def throughput_figure(group: pd.DataFrame, compared: pd.DataFrame, colors: dict[str, str]) -> Figure:
+    rows = compared.set_index("variant").loc[list(colors)]
+    fig = Figure(figsize=(max(6.0, 1.5 * len(rows) + 2), 5))
+    ax = fig.subplots()
+    x = range(len(rows))
+    ax.bar(
+        x, rows["tokens_per_s"], yerr=rows["tokens_per_s_std"].fillna(0.0), capsize=4,
+        color=[colors[v] for v in rows.index], edgecolor="black", linewidth=0.5,
+    )  # fmt: skip
+    ax.set_yscale("log")
+    has_baseline = BASELINE in rows.index
+    for i, (_, row) in enumerate(rows.iterrows()):
+        ratio = f"{row['ratio_to_allreduce']:.3g}x" if has_baseline else ""
+        ax.annotate(
+            f"{ratio}\n{row['tokens_per_s']:,.0f} tok/s".strip(),
+            (i, row["tokens_per_s"]), xytext=(0, 6), textcoords="offset points",
+            ha="center", va="bottom", fontsize=9, fontweight="bold",
+        )  # fmt: skip
+    low, high = rows["tokens_per_s"].min(), rows["tokens_per_s"].max()
+    ax.set_ylim(low / 3, high * 3)  # room for the labels above the tallest bar on a log axis
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(list(x), [v.replace(" ", "\n") for v in rows.index])
+    ax.set_ylabel("throughput (tokens/s, log scale)")
+    ax.grid(axis="y", which="both", alpha=0.3)
+    subtitle = "labels: ratio to allreduce on the same link" if has_baseline else "no allreduce run to compare with"
+    ax.set_title(_title(f"Training throughput (mean over seeds; {subtitle})", group), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def step_breakdown(group: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
+    """Seconds per step of compute, blocked and overlapped communication per variant (after throughput warm-up).
+
+    Communication a method completes after its last step is logged as a `finish` event; its time is inside that
+    step's step_s, so it is added to that step's communication here.
+    """
+    sync = ["sync_blocked_s", "sync_overlapped_s"]
+    keys = ["run_id", "rank", "step"]
+    mine = events[events["run_id"].isin(group["run_id"]) & events["kind"].isin(["step", "finish"])]
+    mine = mine.reindex(columns=[*keys, "kind", "variant", "step_s", *sync]).fillna({c: 0.0 for c in sync})
+    comm = mine.groupby(keys)[sync].sum()
+    steps = mine[mine["kind"] == "step"].drop(columns=sync).join(comm, on=keys)
+    steps = steps.merge(group[["run_id", "throughput_warmup_steps"]], on="run_id")
+    steps = steps[steps["step"] >= steps["throughput_warmup_steps"]]
+    parts = pd.DataFrame(
+        {
+            "variant": steps["variant"],
+            "run_id": steps["run_id"],
+            "compute": steps["step_s"] - steps["sync_blocked_s"],
+            "blocked": steps["sync_blocked_s"],
+            "overlapped": steps["sync_overlapped_s"],
+        }
+    )
+    # Mean over the run's steps and ranks, then over the variant's runs (seeds).
+    per_run = parts.groupby(["variant", "run_id"]).mean()
+    return per_run.groupby("variant").mean()
+
+
+def breakdown_figure(group: pd.DataFrame, events: pd.DataFrame, colors: dict[str, str]) -> Figure:
+    parts = step_breakdown(group, events).reindex([v for v in colors])
+    shares = parts.div(parts.sum(axis=1), axis=0) * 100
+    fig = Figure(figsize=(max(12.0, 2.4 * len(parts) + 4), 5))
+    absolute, relative = fig.subplots(1, 2)
+    labels = [v.replace(" ", "\n") for v in parts.index]
+    legend = {
+        "compute": ("compute (forward, backward, optimizer)", COMPUTE, None),
+        "blocked": ("communication: blocked (training waits)", BLOCKED, None),
+        "overlapped": ("communication: overlapped (hidden, runs during compute)", OVERLAPPED, "//"),
+    }
+    for ax, table in ((absolute, parts), (relative, shares)):
+        bottom = pd.Series(0.0, index=table.index)
+        for column, (label, color, hatch) in legend.items():
+            ax.bar(
+                labels, table[column], bottom=bottom, label=label, color=color, hatch=hatch,
+                edgecolor="black", linewidth=0.5,
+            )  # fmt: skip
+            bottom += table[column]
+        ax.grid(axis="y", alpha=0.3)
+    for i, step_s in enumerate(parts["compute"] + parts["blocked"]):
+        absolute.annotate(
+            f"{step_s:.3g} s/step", (i, parts.iloc[i].sum()), xytext=(0, 4), textcoords="offset points",
+            ha="center", va="bottom", fontsize=9,
+        )  # fmt: skip
+    absolute.set_ylabel("seconds per training step (mean)")
+    absolute.set_title("time per step (labels: wall-clock per step)")
+    absolute.set_ylim(0, parts.sum(axis=1).max() * 1.15)
+    relative.set_ylabel("share of the step's activity (%)")
+    relative.set_title("share of each part")
+    relative.set_ylim(0, 100)
+    handles, names = absolute.get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    fig.suptitle(_title("Where a training step's time goes (after throughput warm-up)", group))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+def plot_all(tables: RunTables, out: Path) -> list[Path]:
+    """Every figure for every comparable group of successful runs; returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    compared = comparison(tables)
+    ok = tables.runs[tables.runs["status"] == "ok"]
+    evals = eval_curve(tables.events)
+    palette = _colors(list(dict.fromkeys(compared["variant"])))
+    keys = [k for k, _ in ok.groupby(GROUP_KEYS, sort=True, dropna=False)]
+    written: list[Path] = []
+    for key, group in ok.groupby(GROUP_KEYS, sort=True, dropna=False):
+        slug = _slug(key, keys)
+        group_compared = compared[(compared[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+        colors = {v: palette[v] for v in group_compared["variant"]}
+        written += _save(loss_figure(group, evals, colors), out, f"loss-{slug}")
+        written += _save(throughput_figure(group, group_compared, colors), out, f"throughput-{slug}")
+        if not tables.events.empty:
+            written += _save(breakdown_figure(group, tables.events, colors), out, f"breakdown-{slug}")
+    return written

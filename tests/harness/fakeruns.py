@@ -1,0 +1,93 @@
+"""Structurally real run folders with made-up numbers, for testing what reads results (report, plots, check).
+
+They are written the way a run writes them: RunConfig.save for config.json, one JSONL event file per rank with
+start/eval/step/end events, ranks/rank<R>.json, and summary.json from harness.results.summarize itself, so the
+readers see exactly the layout a real run leaves. The numbers are chosen by the test; they are not measurements.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.results import summarize
+from harness.sweep import build_config
+
+T0 = 1_800_000_000.0
+EVAL_S = 0.5
+
+
+def write_run(
+    root: Path,
+    name: str,
+    method: str = "allreduce",
+    profile: str = "1gbps",
+    seed: int = 0,
+    tokens_per_s: float = 1000.0,
+    wire_bytes_per_token: float = 100.0,
+    val_losses: Sequence[float] = (5.5, 4.5, 4.0),
+    steps: int = 20,
+    blocked_share: float = 0.25,
+    overlapped_s: float = 0.0,
+    finish_blocked_s: float = 0.0,
+    options: dict | None = None,
+    failure: str | None = None,
+) -> Path:
+    """A finished run whose every step takes tokens_per_step / tokens_per_s seconds; evals spread over the steps.
+
+    finish_blocked_s > 0 adds a `finish` event (communication completed after the last step) to the last step.
+    """
+    eval_every = steps // (len(val_losses) - 1)
+    config = build_config(method, profile, seed, {"steps": steps, "eval_every": eval_every, **(options or {})})
+    run_dir = root / name
+    (run_dir / "events").mkdir(parents=True)
+    (run_dir / "ranks").mkdir()
+    config.save(run_dir / "config.json")
+    world = config.clusters * config.stages
+    tokens_per_step = config.clusters * config.train.batch_size * 128  # the tiny model's context
+    step_s = tokens_per_step / tokens_per_s
+    syncs = method != "local"
+    for rank in range(world):
+        t = T0
+        events: list[dict] = [{"t": t, "rank": rank, "kind": "start", "tokens_per_step": tokens_per_step}]
+        events.append({"t": t, "rank": rank, "kind": "eval", "step": 0, "tokens": 0, "val_loss": val_losses[0],
+                       "eval_s": EVAL_S})  # fmt: skip
+        for step in range(steps):
+            t += step_s
+            event = {"t": t, "rank": rank, "kind": "step", "step": step, "tokens": (step + 1) * tokens_per_step,
+                     "loss": val_losses[0], "lr": 4e-4, "compute_s": step_s * (1 - blocked_share),
+                     "step_s": step_s}  # fmt: skip
+            if syncs:
+                event.update(
+                    sync_payload_bytes=int(wire_bytes_per_token * tokens_per_step / world),
+                    sync_blocked_s=step_s * blocked_share,
+                    sync_overlapped_s=overlapped_s,
+                )
+            events.append(event)
+            if step == steps - 1 and finish_blocked_s:
+                event["step_s"] += finish_blocked_s
+                t += finish_blocked_s
+                events.append({"t": t, "rank": rank, "kind": "finish", "step": step, "sync_payload_bytes": 0,
+                               "sync_blocked_s": finish_blocked_s, "sync_overlapped_s": 0.0})  # fmt: skip
+            if (step + 1) % eval_every == 0:
+                t += EVAL_S
+                loss = val_losses[(step + 1) // eval_every]
+                events.append({"t": t, "rank": rank, "kind": "eval", "step": step + 1,
+                               "tokens": (step + 1) * tokens_per_step, "val_loss": loss, "eval_s": EVAL_S})  # fmt: skip
+        (run_dir / "events" / f"rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        window_steps = steps - config.train.throughput_warmup_steps
+        result = {
+            "final_train_loss": val_losses[-1],
+            "final_val_loss": val_losses[-1],
+            "window_steps": window_steps,
+            "window_tokens": window_steps * tokens_per_step,
+            "window_s": window_steps * step_s,
+            "tokens": steps * tokens_per_step,
+            "optimizer_state_bytes": 1000,
+            "wire_bytes": wire_bytes_per_token * steps * tokens_per_step / config.clusters,
+        }
+        (run_dir / "ranks" / f"rank{rank}.json").write_text(json.dumps(result))
+    summary = summarize(config, run_dir, failure, {})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return run_dir

@@ -1,0 +1,41 @@
+"""Local: every replica trains alone and never synchronizes across clusters. The compute ceiling.
+
+Same model, data, batch and inner AdamW as every other method, minus all cross-cluster communication, so its
+tokens/s is the most the cluster can train on these settings; a method's tokens/s divided by local's is its
+compute utilisation. Replicas drift apart (each sees only its own data shard): evaluation runs on each replica's
+own model, so its loss is one replica's and is not comparable to a synchronized method's at equal tokens.
+Pipeline stages inside a cluster still talk to each other (gradient clipping spans the whole replica).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainers.method import Method, MethodContext, SyncReport
+from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes
+
+
+@dataclass(frozen=True)
+class LocalConfig:
+    """Local has no knobs: it is AllReduce without the all-reduce."""
+
+
+class Local(Method):
+    def __init__(self, ctx: MethodContext, cfg: LocalConfig):
+        self.ctx = ctx
+        self.params = ctx.params
+        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+
+    def step(self, step: int) -> SyncReport | None:
+        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return None
+
+    def optimizer_state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
