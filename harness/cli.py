@@ -354,20 +354,11 @@ def doctor() -> None:
 # --- sweeps, reports, figures, regime matching and the CI gate (harness/sweep.py, report.py, plots.py, ...) ---
 
 
-def _common_run_flags(command):
-    """The settings every run of a sweep (or check) shares; unset ones keep the dataclasses' defaults."""
+def _cluster_flags(command):
+    """The cluster shape shared by every run of a sweep; unset ones keep RunConfig's defaults."""
     flags = [
-        click.option("--model", help=f"tiny, small, tiny-qwen, ... [default: {TrainConfig.model}]."),
         click.option("--clusters", type=int, help="Sites joined by the shaped link [default: 2]."),
         click.option("--stages", type=int, help="Pipeline stages (ranks) per cluster [default: 1]."),
-        click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}]."),
-        click.option("--batch-size", type=int, help=f"Sequences per replica and step [{TrainConfig.batch_size}]."),
-        click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context]."),
-        click.option("--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}]."),
-        click.option("--throughput-warmup-steps", type=int, help="Steps left out of tokens/s."),
-        click.option("--microbatches", type=int, help="Pipeline micro-batches per step [default: --stages]."),
-        click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}]."),
-        click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib]."),
         click.option("--backend", type=click.Choice(["netns", "docker"]), help="[default: netns]"),
     ]
     for flag in reversed(flags):
@@ -461,9 +452,9 @@ class _SweepProgress:
 @click.option("--repeats", default=1, show_default=True, help="Runs per combination (e.g. for medians).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Sweep folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished combinations (and re-derive the regime profile).")
-@_common_run_flags
-@method_option_flags
-def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, force, **flags):
+@_cluster_flags
+@train_option_flags
+def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, force, seed, **flags):
     """Run methods x profiles x seeds (x --set values) one after another into one sweep folder.
 
     A finished combination (summary.json with status ok) is skipped, so rerunning the command resumes an
@@ -472,6 +463,8 @@ def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, forc
     from harness.projection import RegimeError, regime_profile
     from harness.sweep import SweepError, SweepInterrupted, SweepSpec, parse_set, run_sweep
 
+    if seed is not None:
+        _fail("a sweep takes its seeds as a list: --seeds 0,1,2")
     settings = {k: v for k, v in flags.items() if v is not None}
     try:
         spec = SweepSpec(
@@ -519,18 +512,21 @@ def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, forc
 @click.option(
     "--out", type=click.Path(path_type=Path), help="Profile YAML to write [default: results/profiles/TARGET-MODEL.yaml]"
 )
-@_common_run_flags
-def regime(target, out, **flags):
+@_cluster_flags
+@train_option_flags
+def regime(target, out, seed, **flags):
     """Derive the link rate at which AllReduce is as communication-bound as TARGET, and write it as a profile.
 
     Measures this machine's compute time per step with a few `local` steps, then
     rate = 8 P / (R T_c): P gradient bytes per step on a cluster's uplink, R = T_comm / T_c of the target.
+    Takes the same flags as `harness sweep`; method options do not change the measurement.
     """
     import tempfile
 
     from harness.projection import RegimeError, derive_regime, get_target, write_regime_profile
     from harness.sweep import SweepError, build_config
 
+    del seed  # accepted like sweep's flags; weights' seed does not change compute time
     settings = {k: v for k, v in flags.items() if v is not None}
     try:
         get_target(target)
