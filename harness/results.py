@@ -171,6 +171,8 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "initial_val_loss": evals[0]["val_loss"] if evals else None,
         "optimizer_state_bytes_per_rank": [ranks[r].get("optimizer_state_bytes") for r in sorted(ranks)],
         "link_busbw_bps": ranks.get(0, {}).get("link_busbw_bps"),
+        "device": ranks.get(0, {}).get("device"),
+        "dist_backend": ranks.get(0, {}).get("dist_backend"),
         **backend_record,
     }
     return summary

@@ -39,7 +39,23 @@ def _die_with_parent() -> None:
         sys.exit("harness exited before this worker started")
 
 
-def build_groups(topology: Topology, rank: int) -> ParallelContext:
+def device_and_backend(rank: int, world_size: int) -> tuple[torch.device, str]:
+    """CUDA with NCCL where there is a GPU (one per rank, by LOCAL_RANK as torchrun sets it), else CPU with gloo.
+
+    HARNESS_DEVICE=cpu forces the CPU; HARNESS_DIST_BACKEND=gloo keeps CUDA tensors but talks over gloo (NCCL
+    refuses two ranks on one GPU, so when the ranks on this host outnumber its GPUs, gloo is the default).
+    """
+    if torch.cuda.is_available() and os.environ.get("HARNESS_DEVICE", "cuda") != "cpu":
+        gpus = torch.cuda.device_count()
+        index = int(os.environ.get("LOCAL_RANK", rank)) % gpus
+        torch.cuda.set_device(index)
+        # Measured on a one-GPU H200 host: NCCL 2.28 fails with "Duplicate GPU detected" for two ranks on one device.
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) > gpus
+        return torch.device("cuda", index), os.environ.get("HARNESS_DIST_BACKEND", "gloo" if shared else "nccl")
+    return torch.device("cpu"), os.environ.get("HARNESS_DIST_BACKEND", "gloo")
+
+
+def build_groups(topology: Topology, rank: int, device: torch.device) -> ParallelContext:
     """Every rank must create every group, in the same order (torch.distributed's rule)."""
     pipeline_group = data_parallel_group = None
     for cluster in range(topology.clusters):
@@ -60,6 +76,7 @@ def build_groups(topology: Topology, rank: int) -> ParallelContext:
         stages=topology.stages,
         pipeline_group=pipeline_group,
         data_parallel_group=data_parallel_group,
+        device=device,
     )
 
 
@@ -70,17 +87,21 @@ def calibration_bytes(rate_bps: int | None) -> int:
     return int(min(64 << 20, max(1 << 20, rate_bps / 8)))
 
 
-def calibrate(group: dist.ProcessGroup, rate_bps: int | None, log: EventWriter, iterations: int = 3) -> float:
+def calibrate(
+    group: dist.ProcessGroup, rate_bps: int | None, device: torch.device, log: EventWriter, iterations: int = 3
+) -> float:
     """All-reduce bus bandwidth across the clusters, nccl-tests' definition: busbw = algbw * 2(n-1)/n."""
     n = dist.get_world_size(group)
     nbytes = calibration_bytes(rate_bps)
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dist.all_reduce(buf, group=group)  # warm-up: connections and buffers
     times = []
     for _ in range(iterations):
         dist.barrier(group=group)
         started = time.perf_counter()
         dist.all_reduce(buf, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NCCL returns at enqueue; time the transfer, not the launch
         times.append(time.perf_counter() - started)
     elapsed = statistics.median(times)
     busbw_bps = nbytes * 8 / elapsed * 2 * (n - 1) / n
@@ -122,24 +143,24 @@ def main() -> int:
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
     torch.set_num_threads(int(os.environ.get("HARNESS_THREADS", max(1, (os.cpu_count() or 1) // world_size))))
     try:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device, backend = device_and_backend(rank, world_size)
         dist.init_process_group(
             backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=int(os.environ.get("HARNESS_TIMEOUT_S", 300))),
         )
-        par = build_groups(topology, rank)
+        par = build_groups(topology, rank, device)
         if os.environ.get("HARNESS_FAULT"):
             log = _with_fault(log, rank, os.environ["HARNESS_FAULT"])
         counter = None
         if par.stage == 0 and os.environ.get("HARNESS_UPLINK"):
             counter = LinkCounter(os.environ["HARNESS_UPLINK"])
-        result: dict = {}
+        result: dict = {"device": str(device), "dist_backend": backend}
         if (config.mode == "calibrate" or config.calibrate) and par.data_parallel_group is not None:
             if par.stage == 0:
                 result["link_busbw_bps"] = calibrate(
-                    par.data_parallel_group, config.profile.inter_cluster.rate_bps, log
+                    par.data_parallel_group, config.profile.inter_cluster.rate_bps, par.device, log
                 )
             dist.barrier()
         if config.mode == "train":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ class ParallelContext:
     stages: int
     pipeline_group: dist.ProcessGroup | None
     data_parallel_group: dist.ProcessGroup | None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def train(
@@ -50,13 +51,16 @@ def train(
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     # The same seed on every rank gives every replica identical initial weights without a broadcast.
     torch.manual_seed(cfg.seed)
-    model = DecoderLM(model_cfg)
+    model = DecoderLM(model_cfg).to(par.device)
     stage = build_stage(
         model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages, cfg.pipeline_schedule
     )
     corpus = load_corpus(cfg.data)
     batches = replica_batches(corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed)
-    val_batches = validation_batches(corpus, cfg.batch_size, seq_len, cfg.eval_batches)
+    val_batches = [
+        (x.to(par.device), y.to(par.device))
+        for x, y in validation_batches(corpus, cfg.batch_size, seq_len, cfg.eval_batches)
+    ]
     ctx = MethodContext(
         list(stage.module.named_parameters()),
         par.data_parallel_group,
@@ -77,6 +81,7 @@ def train(
             "tokens_per_step": tokens_per_step,
             "corpus": corpus.source,
             "corpus_sha256": corpus.sha256,
+            "device": str(par.device),
         }
     )
 
@@ -108,7 +113,7 @@ def train(
     losses = []
     for step in range(cfg.steps):
         started = time.perf_counter()
-        inputs, targets = next(batches)
+        inputs, targets = (t.to(par.device, non_blocking=True) for t in next(batches))
         loss = stage.forward_backward(inputs, targets)
         computed = time.perf_counter()
         report = method.step(step)
