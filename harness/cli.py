@@ -227,15 +227,28 @@ def train_option_flags(command):
 @click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
 @click.option("--calibrate", is_flag=True, help="Measure the link's all-reduce busbw before training.")
 @click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
+@click.option(
+    "--gpus",
+    default="auto",
+    show_default=True,
+    help="Docker backend: one GPU per rank: auto (GPU r for rank r with the nvidia runtime), none, or ids 0,1.",
+)
 @train_option_flags
-def run(method, profile, clusters, stages, out, calibrate, backend, **settings):
+def run(method, profile, clusters, stages, out, calibrate, backend, gpus, **settings):
     """Train one method on the emulated cluster and write a results folder."""
     from harness.runner import RunError, validate
     from harness.runner import run as run_benchmark
 
     try:
         config = RunConfig.build(
-            method, profile, clusters=clusters, stages=stages, backend=backend, calibrate=calibrate, **settings
+            method,
+            profile,
+            clusters=clusters,
+            stages=stages,
+            backend=backend,
+            gpus=gpus,
+            calibrate=calibrate,
+            **settings,
         )
         validate(config, out)
     except (ProfileError, RunError, ValueError) as err:
@@ -252,13 +265,16 @@ def run(method, profile, clusters, stages, out, calibrate, backend, **settings):
 @click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
 @click.option("--clusters", default=2, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
-def calibrate(profile, clusters, out):
+@click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
+def calibrate(profile, clusters, out, backend):
     """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
     from harness.runner import RunError, validate
     from harness.runner import run as run_benchmark
 
     try:
-        config = RunConfig.build("allreduce", profile, clusters=clusters, mode="calibrate", calibrate=True)
+        config = RunConfig.build(
+            "allreduce", profile, clusters=clusters, backend=backend, mode="calibrate", calibrate=True
+        )
         validate(config, out)
         if clusters < 2:
             raise ValueError("calibration measures the link between clusters; use --clusters 2 or more")
@@ -332,10 +348,16 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
 @main.command()
 @click.option("--run-key", help="Only this run's namespaces (the hx...... prefix in config.json's run_key).")
 def cleanup(run_key: str | None) -> None:
-    """Remove namespaces left by a harness that was killed with SIGKILL (never those of a live run)."""
+    """Remove namespaces and containers left by a harness killed with SIGKILL (never those of a live run)."""
     from harness.backends.netns import cleanup as cleanup_namespaces
 
     removed = cleanup_namespaces(run_key)
+    try:
+        from harness.backends.docker import cleanup as cleanup_containers
+
+        removed += cleanup_containers(run_key)
+    except Exception as err:  # no SDK or no engine: there can be no containers of ours to remove
+        console.print(f"containers not checked ({type(err).__name__})", markup=False)
     console.print(f"removed {len(removed)} namespace(s)" + (f": {', '.join(removed)}" if removed else ""))
 
 

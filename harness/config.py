@@ -27,6 +27,8 @@ class RunConfig:
     backend: Literal["netns", "docker"] = "netns"
     clusters: int = 2
     stages: int = 1
+    # Docker backend only: "auto" (one GPU per rank when the nvidia runtime is present), "none", or ids "0,1".
+    gpus: str = "auto"
     mode: Literal["train", "calibrate"] = "train"
     calibrate: bool = False
     # Short, unique and safe in interface names (15 characters at most): it prefixes every kernel object a run makes.
@@ -55,6 +57,7 @@ class RunConfig:
         clusters: int = 2,
         stages: int = 1,
         backend: Literal["netns", "docker"] = "netns",
+        gpus: str = "auto",
         mode: Literal["train", "calibrate"] = "train",
         calibrate: bool = False,
         **settings: Any,
@@ -77,6 +80,7 @@ class RunConfig:
             train=train,
             method_options=settings,
             backend=backend,
+            gpus=gpus,
             clusters=clusters,
             stages=stages,
             mode=mode,

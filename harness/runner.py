@@ -60,8 +60,16 @@ def validate(config: RunConfig, out: Path | None) -> RunFolder:
         check_shapeable(config.profile)
     except (ValueError, ProfileError) as err:
         raise RunError(str(err)) from None
-    if config.backend != "netns":
-        raise RunError(f"backend {config.backend!r} is not available; use --backend netns")
+    if config.backend == "docker":
+        try:
+            from harness.backends.docker import unavailable_reason
+        except ImportError:
+            raise RunError("the docker backend needs the docker SDK; pip install 'harness[docker]'") from None
+        reason = unavailable_reason(config.clusters * config.stages, config.gpus)
+        if reason:
+            raise RunError(reason)
+    elif config.backend != "netns":
+        raise RunError(f"backend {config.backend!r} is not available; use --backend netns or --backend docker")
     if config.profile.needs_netem and not probe_qdiscs(os.geteuid() != 0)["netem"]:
         raise RunError(
             f"profile {config.profile.name!r} asks for delay, jitter or loss, but this kernel has no "
@@ -100,7 +108,7 @@ def run(
     """Run one benchmark; returns summary.json's content (with "results_dir")."""
     folder = validate(config, out)
     topology = Topology(config.clusters, config.stages)
-    cluster = make_backend(config.backend, config.run_key, topology, config.profile)
+    cluster = make_backend(config.backend, config.run_key, topology, config.profile, config.gpus)
     run_dir = folder.create()
     config.save(run_dir / "config.json")
     (run_dir / "logs").mkdir()

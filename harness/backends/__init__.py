@@ -39,9 +39,15 @@ class ClusterBackend(Protocol):
         """Start rank `rank` running `argv` (the worker) with `env` (torchrun's variables) in its cluster."""
 
 
-def make_backend(name: str, run_key: str, topology: Topology, profile: Profile) -> ClusterBackend:
+def make_backend(name: str, run_key: str, topology: Topology, profile: Profile, gpus: str = "auto") -> ClusterBackend:
+    """The backend `name`; `gpus` (auto, none or GPU ids) matters to the docker backend only."""
     if name == "netns":
         from harness.backends.netns import NetnsCluster
 
         return NetnsCluster(run_key, topology, profile)
-    raise ValueError(f"backend {name!r} is not available; use --backend netns")
+    if name == "docker":
+        # Imported here: the docker SDK is an optional dependency.
+        from harness.backends.docker import DockerCluster
+
+        return DockerCluster(run_key, topology, profile, gpus)
+    raise ValueError(f"backend {name!r} is not available; use --backend netns or --backend docker")

@@ -195,9 +195,10 @@ CASES = [
         ["--throughput-warmup-steps", "got 5"],
     ),
     Case(
-        "docker-backend",
+        "docker-without-engine",
         ["run", "--backend", "docker"],
-        ["backend 'docker' is not available", "--backend netns"],
+        ["no docker engine answers", "--backend netns"],
+        env={"DOCKER_HOST": "unix:///nonexistent/docker.sock"},
     ),
     Case(
         "out-under-a-file",

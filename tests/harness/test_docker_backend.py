@@ -1,0 +1,215 @@
+"""Real runs with --backend docker: train, measure, fail, and leave no container, network or namespace behind.
+
+Needs root and a docker engine (.ci/run installs Debian's docker.io and starts dockerd, which turns on ip_forward,
+sets the FORWARD policy to DROP and adds docker0 on the host). Without one the whole module is skipped, with the
+reason shown by `pytest -rs`. The development image is built here if missing (scripts/dev-image.sh, about a second).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+
+if os.geteuid() != 0:
+    pytest.skip("the docker backend shapes from the host and needs root", allow_module_level=True)
+try:
+    import docker
+
+    CLIENT = docker.from_env(timeout=10)
+    CLIENT.ping()
+except Exception as err:  # ImportError, or the SDK's several types for "nothing answers"
+    pytest.skip(
+        f"no docker engine is reachable ({type(err).__name__}: {err}); install docker.io and start dockerd",
+        allow_module_level=True,
+    )
+
+from harness.backends.docker import RUN_KEY_LABEL, cleanup, parse_gpus, unavailable_reason  # noqa: E402
+from tests.harness.hoststate import leftovers, snapshot  # noqa: E402
+from tests.harness.test_run_e2e import SMALL_RUN, harness, run_marker, summary_of, wait_for_steps  # noqa: E402
+
+subprocess.run([REPO / "scripts" / "dev-image.sh"], check=True, capture_output=True)
+assert unavailable_reason(2) is None, unavailable_reason(2)
+
+DOCKER = ["--backend", "docker"]
+
+
+def run_key_of(out: Path) -> str:
+    staged = out.parent / f".{out.name}.partial" / "config.json"
+    return json.loads((staged if staged.exists() else out / "config.json").read_text())["run_key"]
+
+
+def docker_leftovers(run_key: str) -> list[str]:
+    """Containers and networks carrying the run's label (stopped ones too)."""
+    selector = {"label": f"{RUN_KEY_LABEL}={run_key}"}
+    return [c.name for c in CLIENT.containers.list(all=True, filters=selector)] + [
+        n.name for n in CLIENT.networks.list(filters=selector)
+    ]
+
+
+def docker_netns() -> set[str]:
+    """The engine's own network namespaces (one per cluster container), bind-mounted under /run/docker/netns.
+
+    Only mounted ones are alive: the engine unmounts a namespace with its container and deletes the empty file later.
+    """
+    mounts = (line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines())
+    return {m for m in mounts if m.startswith(("/run/docker/netns/", "/var/run/docker/netns/"))}
+
+
+def snapshot_all() -> dict:
+    return {**snapshot(), "docker_netns": docker_netns()}
+
+
+def assert_nothing_left(before: dict, out: Path) -> None:
+    run_key = run_key_of(out)
+    assert docker_leftovers(run_key) == []
+    assert docker_netns() - before["docker_netns"] == set()
+    found = leftovers(before, run_marker(out))
+    # Other runs on this host come and go in /run/netns meanwhile; only this run's names count.
+    found["netns"] = [name for name in found.get("netns", []) if name.startswith(run_key)]
+    assert {k: v for k, v in found.items() if v} == {}
+
+
+def step_losses(out: Path, rank: int) -> list[float]:
+    lines = (out / "events" / f"rank{rank}.jsonl").read_text().splitlines()
+    return [e["loss"] for e in map(json.loads, lines) if e["kind"] == "step"]
+
+
+@pytest.fixture
+def start_long_run():
+    """Starts 1000-step docker runs; whatever a test does, no harness or container of them outlives it."""
+    started: list[subprocess.Popen] = []
+
+    def start(out: Path) -> subprocess.Popen:
+        command = [sys.executable, "-m", "harness.cli", "run", *DOCKER, "--profile", "100mbps", "--steps", "1000"]
+        proc = subprocess.Popen(
+            [*command, *SMALL_RUN, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+            cleanup()
+
+
+def test_docker_run_trains_counts_its_bytes_and_leaves_nothing(tmp_path):
+    before = snapshot_all()
+    out = tmp_path / "docker-run"
+    result = harness("run", *DOCKER, "--profile", "1gbps", "--steps", 60, *SMALL_RUN, "--out", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = summary_of(out)
+    assert summary["status"] == "ok" and summary["backend"] == "docker"
+    assert summary["steps"] == 60 and summary["tokens"] == 60 * 2 * 4 * 128
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+    # Both counters agree with the all-reduce's accounting: eth0 in the containers (the workers' own) and the
+    # host-side veths (the backend's); the excess is TCP/IP framing and ACKs.
+    assert 1.0 <= summary["wire_bytes"] / summary["payload_bytes"] < 1.10
+    assert 1.0 <= summary["wire_bytes_run"] / summary["payload_bytes"] < 1.10
+    environment = json.loads((out / "environment.json").read_text())
+    shaped = [q for q in environment["kernel_qdiscs"] if q["kind"] == "tbf"]
+    # Both ends of both clusters' links: eth0 inside each cluster container and its veth peer on the host.
+    assert len(shaped) == 4 and all(q["rate_bps"] == 10**9 for q in shaped)
+    run_key = run_key_of(out)
+    assert {q["netns"] for q in shaped} == {"host", f"{run_key}-c0", f"{run_key}-c1"}
+    assert_nothing_left(before, out)
+
+
+def test_killed_rank_container_is_named_and_nothing_is_left(tmp_path, start_long_run):
+    before = snapshot_all()
+    out = tmp_path / "docker-kill"
+    proc = start_long_run(out)
+    wait_for_steps(out, 1, 2, proc)
+    CLIENT.containers.get(f"{run_key_of(out)}-r1").kill()
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, output
+    summary = summary_of(out)
+    assert summary["status"] == "failed"
+    assert summary["failure"] == "rank 1 (cluster 1, stage 0) was killed by SIGKILL"
+    assert summary["steps"] >= 2  # events written before the kill are kept
+    assert_nothing_left(before, out)
+
+
+def test_ctrl_c_removes_every_container_and_the_network(tmp_path, start_long_run):
+    before = snapshot_all()
+    out = tmp_path / "docker-ctrl-c"
+    proc = start_long_run(out)
+    wait_for_steps(out, 0, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, output
+    summary = summary_of(out)
+    assert summary["status"] == "failed" and "SIGINT" in summary["failure"]
+    assert_nothing_left(before, out)
+
+
+def test_cleanup_removes_what_a_killed_harness_left(tmp_path, start_long_run):
+    """SIGKILL gives the harness no chance to tear down, and its ranks live on in their containers."""
+    before = snapshot_all()
+    out = tmp_path / "docker-orphans"
+    proc = start_long_run(out)
+    wait_for_steps(out, 0, 1, proc)
+    run_key = run_key_of(out)
+    assert cleanup(run_key) == []  # the harness still lives: its run is not touched
+    proc.kill()
+    proc.communicate()
+    left = sorted(docker_leftovers(run_key))
+    assert left == sorted([f"{run_key}-{name}" for name in ("net", "c0", "c1", "r0", "r1")])
+    assert sorted(cleanup(run_key)) == left
+    assert_nothing_left(before, out)
+
+
+def test_same_seed_gives_the_same_losses_and_busbw_as_netns(tmp_path):
+    runs = {}
+    for backend in ("netns", "docker"):
+        out = tmp_path / f"{backend}-seeded"
+        result = harness(
+            "run", "--backend", backend, "--profile", "1gbps", "--calibrate", "--steps", 10, "--seed", 7,
+            *SMALL_RUN, "--out", out,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[backend] = out
+    for rank in (0, 1):
+        netns, docker_ = step_losses(runs["netns"], rank), step_losses(runs["docker"], rank)
+        assert len(netns) == len(docker_) == 10
+        assert netns == pytest.approx(docker_, abs=1e-5)
+    busbw = {backend: summary_of(out)["link_busbw_bps"] for backend, out in runs.items()}
+    print(f"busbw at 1 Gbit/s: netns {busbw['netns'] / 1e9:.3f}, docker {busbw['docker'] / 1e9:.3f} Gbit/s")
+    assert busbw["docker"] == pytest.approx(busbw["netns"], rel=0.10)
+
+
+@pytest.mark.parametrize(
+    ("env", "fix"),
+    [
+        ({"DOCKER_HOST": "unix:///nonexistent/docker.sock"}, "start one"),
+        ({"HARNESS_DOCKER_IMAGE": "harness-worker:absent"}, "scripts/dev-image.sh"),
+    ],
+)
+def test_missing_engine_or_image_is_one_sentence_naming_the_fix(tmp_path, env, fix):
+    result = harness("run", *DOCKER, "--steps", 1, "--out", tmp_path / "never", env=env)
+    assert result.returncode == 2
+    assert fix in result.stdout + result.stderr and "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "never").exists()
+
+
+def test_gpus_choose_one_gpu_per_rank():
+    assert parse_gpus("auto", 2, nvidia_runtime=False) == [None, None]
+    assert parse_gpus("auto", 2, nvidia_runtime=True) == ["0", "1"]
+    assert parse_gpus("none", 2, nvidia_runtime=True) == [None, None]
+    assert parse_gpus("3,1,2", 2, nvidia_runtime=True) == ["3", "1"]
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        parse_gpus("0", 2, nvidia_runtime=True)
+    with pytest.raises(ValueError, match="not understood"):
+        parse_gpus("gpu0", 2, nvidia_runtime=True)
