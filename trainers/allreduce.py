@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
 from trainers.method import Method, MethodContext, SyncReport
-from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes
+from trainers.optim import InnerOptimizer
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class AllReduce(Method):
     def __init__(self, ctx: MethodContext, cfg: AllReduceConfig):
         self.ctx = ctx
         self.params = ctx.params
-        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
 
     def step(self, step: int) -> SyncReport | None:
         grads = [p.grad for p in self.params]
@@ -32,17 +32,14 @@ class AllReduce(Method):
         blocked_s, _ = inflight.wait()
         unflatten_into(flat / self.ctx.replicas, grads)
 
-        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.inner.step()
         if self.ctx.data_parallel_group is None:
             return None
         return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s)
 
     def optimizer_state_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer)
+        return self.inner.state_bytes()
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return self.inner.lr

@@ -55,7 +55,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +63,8 @@ import torch.distributed as dist
 
 from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
 from trainers.compression import ErrorFeedback, LowRankQuantizeCompressor, estimate_rank, relative_error
-from trainers.method import Method, MethodContext, SyncReport
-from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes, outer_optimizer
+from trainers.method import Method, MethodContext, SyncReport, copy_into, swapped_in
+from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer
 
 _BITS = (2, 4, 8)
 
@@ -143,7 +143,7 @@ class DiLoCoX(Method):
         self.names = [name for name, _ in ctx.named_params]
         self.params = ctx.params
         # The dual optimizer of this stage only: inner AdamW on the local weights, outer Nesterov on theta.
-        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
         # Replicas start from identical weights (same seed), so theta_0 is identical without a broadcast.
         self.global_params = [p.detach().clone().float() for p in self.params]
         self.outer_optimizer = outer_optimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
@@ -159,10 +159,7 @@ class DiLoCoX(Method):
         self.last_average: list[torch.Tensor] | None = None  # for the staleness monitor
 
     def step(self, step: int) -> SyncReport | None:
-        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.inner.step()
         self.steps_in_round += 1
         if self.steps_in_round < self.local_steps:
             return None
@@ -184,7 +181,7 @@ class DiLoCoX(Method):
             blocked_s, overlapped_s, applied = self._apply(arrived)
             fields.update(applied)
         # Round 1 under overlap applied nothing: theta is still theta_0, and the replicas restart from it.
-        _copy(self.global_params, self.params)
+        copy_into(self.global_params, self.params)
         self.steps_in_round = 0
         return SyncReport(
             payload_bytes=sent.inflight.payload_bytes, blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields
@@ -275,18 +272,11 @@ class DiLoCoX(Method):
             return None
         exchange, self.in_flight = self.in_flight, None
         blocked_s, overlapped_s, fields = self._apply(exchange)
-        _copy(self.global_params, self.params)
+        copy_into(self.global_params, self.params)
         return SyncReport(payload_bytes=0, blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields)
 
-    @contextlib.contextmanager
-    def eval_parameters(self) -> Iterator[None]:
-        """theta swapped into the model; the local parameters come back afterwards."""
-        local = [p.detach().clone() for p in self.params]
-        _copy(self.global_params, self.params)
-        try:
-            yield
-        finally:
-            _copy(local, self.params)
+    def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
+        return swapped_in(self.params, self.global_params)
 
     def optimizer_state_bytes(self) -> int:
         """Inner AdamW moments, the outer momentum buffer, theta and the error-feedback residuals, for this stage.
@@ -296,17 +286,11 @@ class DiLoCoX(Method):
         """
         extra = self.global_params + list(self.error_feedback.residuals.values())
         return (
-            optimizer_state_bytes(self.optimizer)
+            self.inner.state_bytes()
             + optimizer_state_bytes(self.outer_optimizer)
             + sum(t.numel() * t.element_size() for t in extra)
         )
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
-
-@torch.no_grad()
-def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-    for source, target in zip(sources, targets, strict=True):
-        target.copy_(source)
+        return self.inner.lr

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainers.method import Method, MethodContext, SyncReport
-from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes
+from trainers.optim import InnerOptimizer
 
 
 @dataclass(frozen=True)
@@ -22,20 +22,15 @@ class LocalConfig:
 
 class Local(Method):
     def __init__(self, ctx: MethodContext, cfg: LocalConfig):
-        self.ctx = ctx
-        self.params = ctx.params
-        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+        self.inner = InnerOptimizer(ctx.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
 
     def step(self, step: int) -> SyncReport | None:
-        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.inner.step()
         return None
 
     def optimizer_state_bytes(self) -> int:
-        return optimizer_state_bytes(self.optimizer)
+        return self.inner.state_bytes()
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return self.inner.lr

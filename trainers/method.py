@@ -23,9 +23,7 @@ class MethodContext:
     """What a method is built from."""
 
     named_params: list[tuple[str, torch.nn.Parameter]]  # this rank's pipeline stage only
-    data_parallel_group: (
-        dist.ProcessGroup | None
-    )  # same stage on every cluster: the slow link. None: 1 cluster
+    data_parallel_group: dist.ProcessGroup | None  # same stage on every cluster: the slow link. None: 1 cluster
     pipeline_group: dist.ProcessGroup | None  # the stages of this cluster: fast links. None: 1 stage
     optim: OptimConfig
     total_steps: int
@@ -56,6 +54,23 @@ class SyncReport:
             "overlapped_s": self.overlapped_s,
             **self.fields,
         }
+
+
+def copy_into(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+    """Copy tensor by tensor, without autograd (the targets are usually a stage's parameters)."""
+    with torch.no_grad():
+        torch._foreach_copy_(targets, sources)
+
+
+@contextlib.contextmanager
+def swapped_in(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> Iterator[None]:
+    """`values` in `params` for the duration (evaluating on global weights); the local weights come back after."""
+    local = [p.detach().clone() for p in params]
+    copy_into(values, params)
+    try:
+        yield
+    finally:
+        copy_into(local, params)
 
 
 class Method(ABC):

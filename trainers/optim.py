@@ -33,6 +33,35 @@ def inner_optimizer(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
+class InnerOptimizer:
+    """The inner step every method takes after backward: clip over the whole replica, AdamW, schedule, zero."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        cfg: OptimConfig,
+        total_steps: int,
+        pipeline_group: dist.ProcessGroup | None,
+    ):
+        self.params = params
+        self.grad_clip = cfg.grad_clip
+        self.pipeline_group = pipeline_group
+        self.optimizer, self.scheduler = inner_optimizer(params, cfg, total_steps)
+
+    def step(self) -> None:
+        clip_grad_norm(self.params, self.grad_clip, self.pipeline_group)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_bytes(self) -> int:
+        return optimizer_state_bytes(self.optimizer)
+
+
 def outer_optimizer(params: Iterable[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
     """DiLoCo's outer optimizer: SGD with Nesterov momentum on the global parameters, fed pseudo-gradients."""
     return torch.optim.SGD(list(params), lr=lr, momentum=momentum, nesterov=momentum > 0)
