@@ -6,13 +6,13 @@ The first warmup_steps steps average the whole model exactly (blocking fp32 all-
 After that, at step t, right after the inner step:
 
     1. Finish step t-1, whose gather ran while this step computed. Every rank decodes every rank's payload:
-           U = mean_j D(P_j)                                  the workers' average delta
-           u = D(C_{t-1}(U + s)),  s = U + s - u              the aggregating side: compression, residual s
+           U = mean_j D(P_j)                                 the workers' average (transmitted) delta
+           u = D(C_{t-1}(U + s)),  s = U + s - u             aggregating side: compression with residual s
+           x_i = (g + u) + (x_i - g - D(P_i))                = x_i + u - D(P_i)
            g = g + u
-           x_i = x_i + u - delta_i                            = g + what this step's inner step added
     2. Send step t:
-           delta_i = x_i - g                                  the model delta since the last global model
-           c = delta_i + e_i,  P_i = C_t(c),  e_i = c - D(P_i)    worker-side error feedback
+           delta_i = x_i - g                                 the model delta since the last global model
+           P_i = C_t(delta_i)
        and start all-gathering the P_i without waiting for them.
 
 C_t is the SparseQuantizeCompressor at step t: the rotating random mask (every rank derives the same one from
@@ -20,11 +20,14 @@ t and the seed), top-k within it, int-bits quantization. Each parameter tensor i
 CocktailSGD does per parameter, so top-k picks within a tensor and positions mostly fit in 2 bytes; the
 stage's payloads are concatenated into one buffer and gathered with one collective.
 
-Why x_i = x_i + u - delta_i: delta_i, now in flight, leaves x_i's lead over g, and u, the average everyone
-applies, arrives instead. So x_i - g is always the progress of the one step whose delta is not sent yet:
-replicas differ from g (and from each other) by one inner step, and what compression held back waits in e_i,
-not in x_i. With every compression off this is plain averaging of deltas, one step late:
-g after step t+1 = mean_j x_j after step t.
+Worker-side error feedback lives in the local model. Every worker applies the same average u, and takes off
+its lead over g only what it transmitted, D(P_i). So after step 1, x_i - g = e_i + (what this step's inner
+step added), where e_i = delta_i - D(P_i) is exactly error feedback's residual from step t-1, and step 2
+compresses delta_i = e_i + progress: the compensated input of error feedback, with no separate buffer to
+count it twice. Replicas differ from g (and from each other) by what compression has held back so far, and
+gradients are taken on a model that keeps all of its own progress. With --no-error-feedback the whole
+delta_i is taken off instead (x_i = x_i + u - delta_i) and what compression dropped is lost. With every
+compression off both are plain averaging of deltas one step late: g after step t+1 = mean_j x_j after step t.
 
 The aggregating side. In CocktailSGD each worker is the server of one shard: it averages the workers'
 compressed shards, compresses that average again with its own residual, and broadcasts it. Here every rank
@@ -81,7 +84,7 @@ class _Round:
     """A step whose payloads are still being gathered."""
 
     step: int
-    deltas: list[torch.Tensor]  # this rank's delta_i per parameter, as sent (before error feedback)
+    retired: list[torch.Tensor]  # per parameter, what leaves x_i's lead over g when the round lands
     gathered: list[torch.Tensor]  # every rank's payload, filled once `inflight` is done
     inflight: InFlight
 
@@ -98,7 +101,6 @@ class Cocktail(Method):
         # The run's seed keys the random mask: every rank derives the same mask at a step, nothing exchanged.
         self.compressor = SparseQuantizeCompressor(cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size,
                                                    seed=ctx.seed)
-        self.worker_residuals = ErrorFeedback()  # e_i
         self.server_residuals = ErrorFeedback()  # s, identical on every rank
         self.pending: _Round | None = None
 
@@ -135,22 +137,15 @@ class Cocktail(Method):
 
     @torch.no_grad()
     def _send(self, step: int) -> tuple[int, float]:
-        """Compress delta_i + e_i per parameter, start the gather; returns (payload bytes, relative error)."""
+        """Compress delta_i per parameter and start the gather; returns (payload bytes, relative error)."""
         deltas = [p.float() - g for p, g in zip(self.params, self.global_params, strict=True)]
-        payloads, compensated, transmitted = [], [], []
-        for name, delta in zip(self.names, deltas, strict=True):
-            c = self.worker_residuals.compensate(name, delta) if self.cfg.error_feedback else delta
-            payload = self.compressor.encode(c, step)
-            t = self.compressor.decode(payload, c.shape, step)
-            if self.cfg.error_feedback:
-                self.worker_residuals.update(name, c, t)
-            payloads.append(payload)
-            compensated.append(c)
-            transmitted.append(t)
+        payloads = [self.compressor.encode(delta, step) for delta in deltas]
+        transmitted = [self.compressor.decode(payload, delta.shape, step)
+                       for payload, delta in zip(payloads, deltas, strict=True)]
         gathered, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
-        self.pending = _Round(step, deltas, gathered, inflight)
-        # The compressor's error on its input (delta_i + e_i): what its contraction bound is about.
-        return inflight.payload_bytes, relative_error(flatten(compensated), flatten(transmitted))
+        retired = transmitted if self.cfg.error_feedback else deltas
+        self.pending = _Round(step, retired, gathered, inflight)
+        return inflight.payload_bytes, relative_error(flatten(deltas), flatten(transmitted))
 
     @torch.no_grad()
     def _apply_pending(self) -> tuple[float, float]:
@@ -169,8 +164,9 @@ class Cocktail(Method):
             # Summed in rank order on every rank, so g stays bit-identical across replicas.
             average = torch.stack([rank_decoded[i] for rank_decoded in decoded]).mean(dim=0)
             update = self._server_compress(name, average, sent.step)
+            kept = p - g - sent.retired[i]  # the lead x_i keeps: held-back residual and this step's progress
             g += update
-            p += update - sent.deltas[i]
+            p.copy_(g + kept)
         return blocked_s, overlapped_s
 
     def _server_compress(self, name: str, average: torch.Tensor, step: int) -> torch.Tensor:
@@ -194,9 +190,8 @@ class Cocktail(Method):
             _copy(local, self.params)
 
     def optimizer_state_bytes(self) -> int:
-        """Inner AdamW moments plus what the method keeps beside the model: g and both residuals."""
-        extra = self.global_params + list(self.worker_residuals.residuals.values())
-        extra += list(self.server_residuals.residuals.values())
+        """Inner AdamW moments plus what the method keeps beside the model: g and the server's residual."""
+        extra = self.global_params + list(self.server_residuals.residuals.values())
         return optimizer_state_bytes(self.optimizer) + sum(t.numel() * t.element_size() for t in extra)
 
     @property

@@ -19,9 +19,12 @@ import torch.multiprocessing as mp
 
 from trainers.comm import allreduce_payload_bytes
 from trainers.config import OptimConfig
+from trainers.data import load_corpus, replica_batches, validation_batches
 from trainers.diloco import DiLoCo, DiLoCoConfig
 from trainers.method import MethodContext
+from trainers.models import DecoderLM, get_model_config
 from trainers.optim import clip_grad_norm, inner_optimizer
+from trainers.registry import build_method, method_config
 
 WORLD = 2
 # A constant, large inner learning rate makes every inner step move the weights visibly.
@@ -173,7 +176,7 @@ def test_syncs_every_h_steps_with_fp16_all_reduce_payload(tmp_path):
             assert report["pseudo_grad_norm"] > 0
         assert all(out["restored"])
         # Inner AdamW moments (2 per weight + step counters), Nesterov momentum and theta_global: 4 x fp32.
-        assert out["state_bytes"] >= 4 * 4 * out["numel"]
+        assert 4 * 4 * out["numel"] <= out["state_bytes"] < 4 * 4 * out["numel"] + 64
     # theta_global is the same on both replicas at every step, between syncs too.
     for mine, theirs in zip(results[0]["swapped_in"], results[1]["swapped_in"], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
@@ -197,3 +200,39 @@ def test_one_cluster_still_takes_the_outer_step():
     for synced, before, after in zip(_params(model), start, inner, strict=True):
         assert (after - before).abs().max() > 1e-3
         assert torch.allclose(synced, (before + after) / 2, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Convergence
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _train_scenario(rank: int, options: dict, steps: int) -> dict:
+    """The `tiny` LM on this replica's shard of the default corpus, as the train loop runs it."""
+    torch.manual_seed(0)
+    model = DecoderLM(get_model_config("tiny"))
+    corpus = load_corpus(max_bytes=1 << 20)
+    batches = replica_batches(corpus, rank, WORLD, batch_size=8, seq_len=64, seed=0)
+    ctx = _context(model, OptimConfig(), steps, dist.group.WORLD)
+    method = build_method("opendiloco", method_config("opendiloco", options), ctx)
+    losses = []
+    for step in range(steps):
+        inputs, targets = next(batches)
+        loss = model(inputs, targets)
+        loss.backward()
+        losses.append(loss.item())
+        method.step(step)
+    with method.eval_parameters(), torch.no_grad():
+        val_loss = sum(model(x, y).item() for x, y in validation_batches(corpus, 8, 64, 4)) / 4
+    return {"losses": losses, "val_loss": val_loss}
+
+
+def test_two_replicas_learn_the_corpus(tmp_path):
+    # Measured: from 5.56 (ln 256, uniform over bytes) to a last-10-step mean of 2.7-3.0 on the replicas and a
+    # held-out loss of 2.88 on theta_global, against 3.5 here.
+    results = _spawn(_train_scenario, ({"local_steps": 10}, 60), tmp_path)
+    for out in results:
+        print(out["losses"][0], sum(out["losses"][-10:]) / 10, out["val_loss"])
+        assert out["losses"][0] > 5.3
+        assert sum(out["losses"][-10:]) / 10 < 3.5
+        assert out["val_loss"] < 3.5
