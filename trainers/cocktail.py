@@ -42,15 +42,14 @@ all-gather of the compressed average about 2(n-1)/n: the same for two clusters.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
 from trainers.compression import ErrorFeedback, SparseQuantizeCompressor, relative_error
-from trainers.method import Method, MethodContext, SyncReport
-from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes
+from trainers.method import Method, MethodContext, SyncReport, swapped_in
+from trainers.optim import InnerOptimizer
 
 _BITS = (2, 4, 8, None)
 
@@ -95,26 +94,28 @@ class Cocktail(Method):
         self.cfg = cfg
         self.names = [name for name, _ in ctx.named_params]
         self.params = ctx.params
-        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
         # Replicas start from identical weights (same seed), so g starts identical without a broadcast.
         self.global_params = [p.detach().clone().float() for p in self.params]
         # The run's seed keys the random mask: every rank derives the same mask at a step, nothing exchanged.
-        self.compressor = SparseQuantizeCompressor(cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size,
-                                                   seed=ctx.seed)
+        self.compressor = SparseQuantizeCompressor(
+            cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size, seed=ctx.seed
+        )
         self.server_residuals = ErrorFeedback()  # s, identical on every rank
         self.pending: _Round | None = None
 
     def step(self, step: int) -> SyncReport | None:
-        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.inner.step()
         if step < self.cfg.warmup_steps:
             return self._average_models()
         blocked_s, overlapped_s = self._apply_pending()
         payload_bytes, compression_error = self._send(step)
-        return SyncReport(payload_bytes=payload_bytes, blocked_s=blocked_s, overlapped_s=overlapped_s,
-                          fields={"compression_error": compression_error, "stale_steps": 1})
+        return SyncReport(
+            payload_bytes=payload_bytes,
+            blocked_s=blocked_s,
+            overlapped_s=overlapped_s,
+            fields={"compression_error": compression_error, "stale_steps": 1},
+        )
 
     def finish(self) -> SyncReport | None:
         """Apply the last step's update, so the final global model holds every step."""
@@ -132,16 +133,20 @@ class Cocktail(Method):
         flat /= self.ctx.replicas
         unflatten_into(flat, self.global_params)
         unflatten_into(flat, self.params)
-        return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s,
-                          fields={"compression_error": 0.0, "stale_steps": 0})
+        return SyncReport(
+            payload_bytes=inflight.payload_bytes,
+            blocked_s=blocked_s,
+            fields={"compression_error": 0.0, "stale_steps": 0},
+        )
 
     @torch.no_grad()
     def _send(self, step: int) -> tuple[int, float]:
         """Compress delta_i per parameter and start the gather; returns (payload bytes, relative error)."""
         deltas = [p.float() - g for p, g in zip(self.params, self.global_params, strict=True)]
         payloads = [self.compressor.encode(delta, step) for delta in deltas]
-        transmitted = [self.compressor.decode(payload, delta.shape, step)
-                       for payload, delta in zip(payloads, deltas, strict=True)]
+        transmitted = [
+            self.compressor.decode(payload, delta.shape, step) for payload, delta in zip(payloads, deltas, strict=True)
+        ]
         gathered, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
         retired = transmitted if self.cfg.error_feedback else deltas
         self.pending = _Round(step, retired, gathered, inflight)
@@ -156,8 +161,10 @@ class Cocktail(Method):
         blocked_s, overlapped_s = sent.inflight.wait()
         sizes = [self.compressor.payload_nbytes(g.shape) for g in self.global_params]
         decoded = [
-            [self.compressor.decode(payload, g.shape, sent.step) for payload, g in
-             zip(rank_payload.split(sizes), self.global_params, strict=True)]
+            [
+                self.compressor.decode(payload, g.shape, sent.step)
+                for payload, g in zip(rank_payload.split(sizes), self.global_params, strict=True)
+            ]
             for rank_payload in sent.gathered
         ]
         for i, (name, g, p) in enumerate(zip(self.names, self.global_params, self.params, strict=True)):
@@ -179,27 +186,14 @@ class Cocktail(Method):
             self.server_residuals.update(name, c, update)
         return update
 
-    @contextlib.contextmanager
-    def eval_parameters(self) -> Iterator[None]:
-        """The global model g swapped in; the local parameters come back afterwards."""
-        local = [p.detach().clone() for p in self.params]
-        _copy(self.global_params, self.params)
-        try:
-            yield
-        finally:
-            _copy(local, self.params)
+    def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
+        return swapped_in(self.params, self.global_params)
 
     def optimizer_state_bytes(self) -> int:
         """Inner AdamW moments plus what the method keeps beside the model: g and the server's residual."""
         extra = self.global_params + list(self.server_residuals.residuals.values())
-        return optimizer_state_bytes(self.optimizer) + sum(t.numel() * t.element_size() for t in extra)
+        return self.inner.state_bytes() + sum(t.numel() * t.element_size() for t in extra)
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
-
-@torch.no_grad()
-def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-    for source, target in zip(sources, targets, strict=True):
-        target.copy_(source)
+        return self.inner.lr

@@ -17,15 +17,14 @@ pseudo-gradient, so H and the outer learning rate mean the same at every cluster
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
 from trainers.compression import CastDtype
-from trainers.method import Method, MethodContext, SyncReport
-from trainers.optim import clip_grad_norm, inner_optimizer, optimizer_state_bytes, outer_optimizer
+from trainers.method import Method, MethodContext, SyncReport, copy_into, swapped_in
+from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer
 
 _WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -47,8 +46,9 @@ class DiLoCoConfig:
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
         if self.pseudo_grad_dtype not in _WIRE_DTYPES:
-            raise ValueError(f"--pseudo-grad-dtype must be one of {', '.join(_WIRE_DTYPES)}, "
-                             f"got {self.pseudo_grad_dtype!r}")
+            raise ValueError(
+                f"--pseudo-grad-dtype must be one of {', '.join(_WIRE_DTYPES)}, got {self.pseudo_grad_dtype!r}"
+            )
 
 
 class DiLoCo(Method):
@@ -56,17 +56,14 @@ class DiLoCo(Method):
         self.ctx = ctx
         self.cfg = cfg
         self.params = ctx.params
-        self.optimizer, self.scheduler = inner_optimizer(self.params, ctx.optim, ctx.total_steps)
+        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
         # The fp32 master copy the outer optimizer updates. Replicas start from identical weights (same
         # seed), so copying the local model makes it identical on every replica without a broadcast.
         self.global_params = [p.detach().clone().float() for p in self.params]
         self.outer_optimizer = outer_optimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
 
     def step(self, step: int) -> SyncReport | None:
-        clip_grad_norm(self.params, self.ctx.optim.grad_clip, self.ctx.pipeline_group)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.inner.step()
         if (step + 1) % self.cfg.local_steps:
             return None
         return self._outer_step()
@@ -86,19 +83,12 @@ class DiLoCo(Method):
             global_param.grad = pseudo_grad
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
-        _copy(self.global_params, self.params)
+        copy_into(self.global_params, self.params)
         fields = {"pseudo_grad_norm": averaged.norm().item(), "local_steps": self.cfg.local_steps}
         return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s, fields=fields)
 
-    @contextlib.contextmanager
-    def eval_parameters(self) -> Iterator[None]:
-        """theta_global swapped into the model; the local parameters come back afterwards."""
-        local = [p.detach().clone() for p in self.params]
-        _copy(self.global_params, self.params)
-        try:
-            yield
-        finally:
-            _copy(local, self.params)
+    def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
+        return swapped_in(self.params, self.global_params)
 
     def optimizer_state_bytes(self) -> int:
         """Inner AdamW moments plus outer state: the momentum buffer and the theta_global master copy.
@@ -108,14 +98,8 @@ class DiLoCo(Method):
         """
         outer_bytes = optimizer_state_bytes(self.outer_optimizer)
         outer_bytes += sum(g.numel() * g.element_size() for g in self.global_params)
-        return optimizer_state_bytes(self.optimizer) + outer_bytes
+        return self.inner.state_bytes() + outer_bytes
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
-
-
-@torch.no_grad()
-def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-    for source, target in zip(sources, targets, strict=True):
-        target.copy_(source)
+        return self.inner.lr
