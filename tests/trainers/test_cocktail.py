@@ -47,6 +47,9 @@ def _worker(rank: int, port: int, scenario, args: tuple, out_dir: Path) -> None:
         torch.save(scenario(rank, *args), out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # The results are on disk. Skip the interpreter's teardown: on a loaded machine it sometimes aborts the
+    # process after gloo use ("terminate called without an active exception"), failing a test that passed.
+    os._exit(0)
 
 
 def _spawn(scenario, args: tuple, out_dir: Path) -> list:
@@ -201,7 +204,7 @@ def test_payload_is_all_reduce_in_warm_up_then_compressed_over_30x(tmp_path):
             assert report["payload_bytes"] == allgather_payload_bytes(compressed, WORLD)
             assert report["stale_steps"] == 1
             assert 0 < report["compression_error"] < 1
-        # The `tiny` model (875,520 weights): 3,502,080 fp32 bytes against 44,866 compressed, 78x.
+        # The `tiny` model (875,520 weights): 3,502,080 fp32 bytes against 44,089 compressed, 79.4x.
         assert fp32_bytes / reports[-1]["payload_bytes"] >= 30
         assert torch.equal(out["final_global"], results[0]["final_global"])
     # Each replica keeps in its own model what compression held back: the replicas differ from g, and from
@@ -241,7 +244,6 @@ def test_two_replicas_learn_the_corpus(tmp_path):
     # compressed steps start slowly, as every coordinate waits for the rotating mask.
     results = _spawn(_train_scenario, (80,), tmp_path)
     for out in results:
-        print(out["losses"][0], sum(out["losses"][-10:]) / 10, out["val_loss"])
         assert out["losses"][0] > 5.3
         assert sum(out["losses"][-10:]) / 10 < 3.5
         assert out["val_loss"] < 3.5

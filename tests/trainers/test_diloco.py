@@ -46,6 +46,9 @@ def _worker(rank: int, port: int, scenario, args: tuple, out_dir: Path) -> None:
         torch.save(scenario(rank, *args), out_dir / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # The results are on disk. Skip the interpreter's teardown: on a loaded machine it sometimes aborts the
+    # process after gloo use ("terminate called without an active exception"), failing a test that passed.
+    os._exit(0)
 
 
 def _spawn(scenario, args: tuple, out_dir: Path) -> list:
@@ -232,7 +235,6 @@ def test_two_replicas_learn_the_corpus(tmp_path):
     # held-out loss of 2.88 on theta_global, against 3.5 here.
     results = _spawn(_train_scenario, ({"local_steps": 10}, 60), tmp_path)
     for out in results:
-        print(out["losses"][0], sum(out["losses"][-10:]) / 10, out["val_loss"])
         assert out["losses"][0] > 5.3
         assert sum(out["losses"][-10:]) / 10 < 3.5
         assert out["val_loss"] < 3.5
