@@ -17,7 +17,7 @@ $(BIN)/harness: pyproject.toml
 setup: $(BIN)/harness
 
 demo: setup
-	$(BIN)/harness run --profile 1gbps --method allreduce
+	$(BIN)/harness run --profile 1gbps --method dilocox
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
