@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/harness run --profile 1gbps --method dilocox
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs --durations=10 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -7,6 +7,7 @@ on SIGTERM, and the results folder is finalized with status "ok" or "failed" eit
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -29,6 +30,8 @@ from trainers.registry import method_config
 MASTER_PORT = 29500
 # How long a stopped worker gets to exit before SIGKILL.
 STOP_GRACE_S = 3.0
+# How long the consequences of a failed rank (its peers' connection errors) get to land before blame is assigned.
+FAILURE_SETTLE_S = 1.0
 
 
 class RunError(ValueError):
@@ -172,15 +175,13 @@ def _watch(
     cluster: ClusterBackend,
     on_progress: Callable[[dict[str, Any]], None] | None,
 ) -> str | None:
-    """Wait for every rank; the first rank that fails fails the run (the others would hang in collectives)."""
+    """Wait for every rank; a rank that fails fails the run (the others would hang in collectives)."""
     tail = EventTail(run_dir / "events" / f"rank{topology.world_size - 1}.jsonl")
     last_wire, last_t = cluster.wire_bytes(), time.monotonic()
     latest: dict[str, Any] = {}
     while True:
-        for rank, proc in procs.items():
-            code = proc.poll()
-            if code not in (None, 0):
-                return _describe_exit(rank, code, topology, run_dir)
+        if any(p.poll() not in (None, 0) for p in procs.values()):
+            return _first_failure(procs, topology, run_dir)
         if all(p.poll() == 0 for p in procs.values()):
             return None
         time.sleep(0.25)
@@ -204,6 +205,25 @@ def _watch(
                 "link": format_rate(rate) if rate else "unshaped",
             }
         )
+
+
+def _first_failure(procs: dict[int, Worker], topology: Topology, run_dir: Path) -> str:
+    """The rank whose failure caused the others': its peers fail too, within moments, with connection errors.
+
+    After a short settle, the cause is a rank killed by a signal (it could log nothing), else the rank whose error
+    event came first.
+    """
+    time.sleep(FAILURE_SETTLE_S)
+    failed = {rank: code for rank, p in procs.items() if (code := p.poll()) not in (None, 0)}
+
+    def first_sign(rank: int) -> float:
+        if failed[rank] < 0:
+            return -math.inf
+        errors = [e["t"] for e in read_events(run_dir / "events" / f"rank{rank}.jsonl") if e["kind"] == "error"]
+        return min(errors, default=math.inf)
+
+    cause = min(failed, key=lambda rank: (first_sign(rank), rank))
+    return _describe_exit(cause, failed[cause], topology, run_dir)
 
 
 def _stop(procs: dict[int, Worker]) -> None:
