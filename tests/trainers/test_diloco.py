@@ -7,16 +7,13 @@ to disk; the parent compares.
 from __future__ import annotations
 
 import copy
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.trainers.spawn import run_ranks
 from trainers.comm import allreduce_payload_bytes
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches, validation_batches
@@ -31,29 +28,8 @@ WORLD = 2
 TOY_OPTIM = OptimConfig(lr=1e-2, warmup_fraction=0.0, min_lr_ratio=1.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, scenario, args: tuple, out_dir: Path) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    try:
-        torch.save(scenario(rank, *args), out_dir / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-    # The results are on disk. Skip the interpreter's teardown: on a loaded machine it sometimes aborts the
-    # process after gloo use ("terminate called without an active exception"), failing a test that passed.
-    os._exit(0)
-
-
 def _spawn(scenario, args: tuple, out_dir: Path) -> list:
-    mp.spawn(_worker, args=(_free_port(), scenario, args, out_dir), nprocs=WORLD, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(scenario, args, out_dir, WORLD)
 
 
 def _toy_model() -> torch.nn.Linear:
