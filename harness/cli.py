@@ -112,16 +112,19 @@ def _reexec_if_unprivileged() -> None:
         sys.exit(reexec_in_user_namespace(sys.argv[1:]))
 
 
-def _progress_display():
-    progress = Progress(
+def _progress_bars() -> Progress:
+    return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         TaskProgressColumn(),
         TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(),
         console=console,
-        transient=False,
     )
+
+
+def _progress_display():
+    progress = _progress_bars()
     task = progress.add_task("starting", total=None, status="building cluster...")
 
     def update(state: dict[str, Any]) -> None:
@@ -412,14 +415,7 @@ class _SweepProgress:
     """A bar for the sweep and one for the run in progress; a line per finished run."""
 
     def __init__(self) -> None:
-        self.bars = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TaskProgressColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            console=console,
-        )
+        self.bars = _progress_bars()
         self.sweep = self.bars.add_task("sweep", total=None, status="")
         self.run: Any = None
 

@@ -24,7 +24,7 @@ import torch
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
 from trainers.compression import CastDtype
 from trainers.method import Method, MethodContext, SyncReport, copy_into, swapped_in
-from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer
+from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer, validate_outer
 
 _WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -39,12 +39,7 @@ class DiLoCoConfig:
     pseudo_grad_dtype: CastDtype = "fp16"
 
     def __post_init__(self) -> None:
-        if self.local_steps < 1:
-            raise ValueError(f"--local-steps must be at least 1, got {self.local_steps}")
-        if not self.outer_lr > 0:
-            raise ValueError(f"--outer-lr must be positive, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
         if self.pseudo_grad_dtype not in _WIRE_DTYPES:
             raise ValueError(
                 f"--pseudo-grad-dtype must be one of {', '.join(_WIRE_DTYPES)}, got {self.pseudo_grad_dtype!r}"

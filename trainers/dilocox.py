@@ -64,7 +64,7 @@ import torch.distributed as dist
 from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
 from trainers.compression import ErrorFeedback, LowRankQuantizeCompressor, estimate_rank, relative_error
 from trainers.method import Method, MethodContext, SyncReport, copy_into, swapped_in
-from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer
+from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer, validate_outer
 
 _BITS = (2, 4, 8)
 
@@ -92,12 +92,7 @@ class DiLoCoXConfig:
     max_local_steps: int | None = None  # None: 4 * local_steps
 
     def __post_init__(self) -> None:
-        if self.local_steps < 1:
-            raise ValueError(f"--local-steps must be at least 1, got {self.local_steps}")
-        if not self.outer_lr > 0:
-            raise ValueError(f"--outer-lr must be positive, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
         if self.rank < 1:
             raise ValueError(f"--rank must be at least 1, got {self.rank}")
         if self.bits not in _BITS:

@@ -62,6 +62,16 @@ class InnerOptimizer:
         return optimizer_state_bytes(self.optimizer)
 
 
+def validate_outer(local_steps: int, outer_lr: float, outer_momentum: float) -> None:
+    """The DiLoCo family's round length and outer optimizer, checked with the flags' names."""
+    if local_steps < 1:
+        raise ValueError(f"--local-steps must be at least 1, got {local_steps}")
+    if not outer_lr > 0:
+        raise ValueError(f"--outer-lr must be positive, got {outer_lr}")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"--outer-momentum must be in [0, 1), got {outer_momentum}")
+
+
 def outer_optimizer(params: Iterable[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
     """DiLoCo's outer optimizer: SGD with Nesterov momentum on the global parameters, fed pseudo-gradients."""
     return torch.optim.SGD(list(params), lr=lr, momentum=momentum, nesterov=momentum > 0)
