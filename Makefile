@@ -22,8 +22,11 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q -rs --durations=10 $(PYTEST_ARGS)
 
+# ruff's rules and formatting everywhere; trainers/ruff.toml adds TID251, which bans harness, pyroute2, docker and
+# subprocess imports in trainers/.
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

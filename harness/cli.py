@@ -1,4 +1,8 @@
-"""The `harness` command: parse, call the library, print. No logic lives here."""
+"""The `harness` command: parse, call the library, print. No logic lives here.
+
+Heavy modules (torch, pyroute2, pandas) are imported inside the commands that use them, so `harness --help` and
+`harness profiles list` answer at once; `import harness.cli` loads click, rich and yaml only.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +19,14 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from harness.backends.netns import REEXEC_MARK, PrivilegeError, needs_reexec, reexec_in_user_namespace
 from harness.config import RunConfig
-from harness.profiles import ProfileError, format_rate, known_profiles, load_profile
+from harness.errors import UserError
+from harness.profiles import known_profiles, load_profile
+from harness.units import format_rate
 from trainers.config import OptimConfig, TrainConfig
-from trainers.registry import METHODS, method_names
+from trainers.registry import method_names
 
 console = Console()
 errors = Console(stderr=True)
@@ -33,7 +39,8 @@ def _fail(message: str) -> typing.NoReturn:
 
 
 class _Group(click.Group):
-    """Click's usage errors (unknown option, bad value) in the same one-line form as the harness's own."""
+    """The one error path: click's usage errors and the library's UserError print as one line and exit 2;
+    anything else is a bug and keeps its traceback."""
 
     def main(self, *args, **kwargs):
         try:
@@ -43,19 +50,45 @@ class _Group(click.Group):
         except click.UsageError as err:
             hint = f" (see harness {err.ctx.info_name} --help)" if err.ctx and err.ctx.parent else ""
             _fail(err.format_message() + hint)
+        except UserError as err:
+            _fail(str(err))
         except click.Abort:
             _fail("aborted")
 
 
 def _method_options() -> dict[str, tuple[Any, dict[str, Any]]]:
-    """Every method config field, once: name -> (type, {method: default})."""
+    """Every method config field, once: name -> (type, {method: default}).
+
+    A field that several methods share must have one type, except that one method may also accept None
+    (e.g. cocktail's --bits none): the flag then accepts 'none' and the method that refuses it says so.
+    """
+    from trainers.registry import method_class, method_names
+
     options: dict[str, tuple[Any, dict[str, Any]]] = {}
-    for name, (config_cls, _) in METHODS.items():
+    for name in method_names():
+        config_cls = method_class(name).config_class
         hints = typing.get_type_hints(config_cls)
         for f in dataclasses.fields(config_cls):
-            kind, defaults = options.setdefault(f.name, (hints[f.name], {}))
-            defaults[name] = f.default
+            kind = hints[f.name]
+            if f.name in options:
+                known = options[f.name][0]
+                if _optional(kind) and not _optional(known):
+                    options[f.name] = (kind, options[f.name][1])
+                elif not ({_strip_none(kind), _strip_none(known)} <= {_strip_none(known)}):
+                    raise TypeError(f"method option {f.name} has type {known} in one method and {kind} in {name}")
+            options.setdefault(f.name, (kind, {}))[1][name] = f.default
     return options
+
+
+def _optional(kind: Any) -> bool:
+    return typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind)
+
+
+def _strip_none(kind: Any) -> Any:
+    if not _optional(kind):
+        return kind
+    (inner,) = [k for k in typing.get_args(kind) if k is not type(None)]
+    return inner
 
 
 class _OptionalInt(click.ParamType):
@@ -73,27 +106,37 @@ class _OptionalInt(click.ParamType):
 
 
 def _click_type(kind: Any) -> Any:
-    origin = typing.get_origin(kind)
-    if origin is typing.Literal:
+    if typing.get_origin(kind) is typing.Literal:
         return click.Choice([str(v) for v in typing.get_args(kind)])
-    if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind):
+    if _optional(kind):
         return _OptionalInt()
     return kind
 
 
-def method_option_flags(command):
+def _method_option_params() -> list[click.Option]:
     """One flag per method option, generated from the methods' config dataclasses so the CLI never drifts."""
-    for field_name, (kind, defaults) in sorted(_method_options().items(), reverse=True):
+    params = []
+    for field_name, (kind, defaults) in sorted(_method_options().items()):
         flag = field_name.replace("_", "-")
         used_by = "method option; " + ", ".join(f"{m}: {d}" for m, d in defaults.items())
         if kind is bool:
-            decl = [f"--{flag}/--no-{flag}"]
-            command = click.option(*decl, field_name, default=None, help=f"[{used_by}]")(command)
+            params.append(click.Option([f"--{flag}/--no-{flag}", field_name], default=None, help=f"[{used_by}]"))
         else:
-            command = click.option(f"--{flag}", field_name, type=_click_type(kind), default=None, help=f"[{used_by}]")(
-                command
+            params.append(
+                click.Option([f"--{flag}", field_name], type=_click_type(kind), default=None, help=f"[{used_by}]")
             )
-    return command
+    return params
+
+
+class _WithMethodOptions(click.Command):
+    """A command that takes every method's options as flags; they are built (importing the methods, and torch)
+    only when this command is parsed or its help printed, not when `harness --help` lists it."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not getattr(self, "_method_params_added", False):
+            self.params.extend(_method_option_params())
+            self._method_params_added = True
+        return super().get_params(ctx)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -102,22 +145,21 @@ def main() -> None:
 
 
 def _reexec_if_unprivileged() -> None:
+    from harness.backends.netns import REEXEC_MARK, needs_reexec, reexec_in_user_namespace
+
     if os.environ.get(REEXEC_MARK):
         return
-    try:
-        reexec = needs_reexec()
-    except PrivilegeError as err:
-        _fail(str(err))
-    if reexec:
+    if needs_reexec():
         sys.exit(reexec_in_user_namespace(sys.argv[1:]))
 
 
 def _progress_bars() -> Progress:
     return Progress(
-        TextColumn("[bold]{task.description}"),
+        # Never markup: descriptions hold run names and profile file names, statuses hold failure text.
+        TextColumn("{task.description}", style="bold", markup=False),
         BarColumn(),
         TaskProgressColumn(),
-        TextColumn("{task.fields[status]}"),
+        TextColumn("{task.fields[status]}", markup=False),
         TimeElapsedColumn(),
         console=console,
     )
@@ -190,13 +232,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
             )
         )
     for key, value in rows:
-        table.add_row(f"[bold]{key}[/bold]", value)
+        # Text, not markup: a failure holds the worker's error, e.g. gloo's "[/path/pair.cc:339] ...".
+        table.add_row(Text(key, style="bold"), Text(value))
     console.print(table)
-    console.print(f"results: {summary['results_dir']}")
+    _print_text(f"results: {summary['results_dir']}")
+
+
+def _print_text(text: str) -> None:
+    """Untrusted text (paths, names, errors) printed as it is: never read as markup, never highlighted."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def train_option_flags(command):
-    """The training settings every method shares; unset ones keep TrainConfig's defaults."""
+    """The training settings every method shares; unset ones keep TrainConfig's defaults. Method options are
+    added by `_WithMethodOptions`."""
     flags = [
         click.option("--model", help=f"tiny, small, tiny-qwen, opt-125m, ... [default: {TrainConfig.model}]."),
         click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}]."),
@@ -216,13 +265,12 @@ def train_option_flags(command):
         click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}]."),
         click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib]."),
     ]
-    command = method_option_flags(command)
     for flag in reversed(flags):
         command = flag(command)
     return command
 
 
-@main.command()
+@main.command(cls=_WithMethodOptions)
 @click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
 @click.option("--method", default="allreduce", show_default=True, help=f"One of: {', '.join(method_names())}.")
 @click.option("--clusters", default=2, show_default=True, help="Sites joined by the shaped link.")
@@ -239,23 +287,13 @@ def train_option_flags(command):
 @train_option_flags
 def run(method, profile, clusters, stages, out, calibrate, backend, gpus, **settings):
     """Train one method on the emulated cluster and write a results folder."""
-    from harness.runner import RunError, validate
     from harness.runner import run as run_benchmark
+    from harness.runner import validate
 
-    try:
-        config = RunConfig.build(
-            method,
-            profile,
-            clusters=clusters,
-            stages=stages,
-            backend=backend,
-            gpus=gpus,
-            calibrate=calibrate,
-            **settings,
-        )
-        validate(config, out)
-    except (ProfileError, RunError, ValueError) as err:
-        _fail(str(err))
+    config = RunConfig.build(
+        method, profile, clusters=clusters, stages=stages, backend=backend, gpus=gpus, calibrate=calibrate, **settings
+    )
+    validate(config, out)
     _reexec_if_unprivileged()
     progress, update = _progress_display()
     with progress:
@@ -271,29 +309,28 @@ def run(method, profile, clusters, stages, out, calibrate, backend, gpus, **sett
 @click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
 def calibrate(profile, clusters, out, backend):
     """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
-    from harness.runner import RunError, validate
     from harness.runner import run as run_benchmark
+    from harness.runner import validate
 
-    try:
-        config = RunConfig.build(
-            "allreduce", profile, clusters=clusters, backend=backend, mode="calibrate", calibrate=True
-        )
-        validate(config, out)
-        if clusters < 2:
-            raise ValueError("calibration measures the link between clusters; use --clusters 2 or more")
-    except (ProfileError, RunError, ValueError) as err:
-        _fail(str(err))
+    config = RunConfig.build("allreduce", profile, clusters=clusters, backend=backend, mode="calibrate", calibrate=True)
+    validate(config, out)
     _reexec_if_unprivileged()
     summary = run_benchmark(config, out)
     if summary["status"] != "ok":
-        _fail(f"calibration failed: {summary['failure']} (results: {summary['results_dir']})")
+        errors.print(
+            f"error: calibration failed: {summary['failure']} (results: {summary['results_dir']})",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(1)
     busbw, rate = summary["link_busbw_bps"], summary["link_rate_bps"]
     ratio = f" = {busbw / rate:.3f} of the configured rate" if rate else ""
-    console.print(
+    _print_text(
         f"profile {summary['profile']}: all-reduce busbw {format_rate(busbw)} across {clusters} clusters, "
         f"configured {format_rate(rate) if rate else 'unshaped'}{ratio}"
     )
-    console.print(f"results: {summary['results_dir']}")
+    _print_text(f"results: {summary['results_dir']}")
 
 
 @main.group()
@@ -307,7 +344,9 @@ def profiles_list() -> None:
     table = Table("name", "inter-cluster link", "intra-cluster link", "description")
     for name in known_profiles():
         p = load_profile(name)
-        table.add_row(name, p.inter_cluster.describe(), p.intra_cluster.describe(), p.description)
+        table.add_row(
+            *(Text(cell) for cell in (name, p.inter_cluster.describe(), p.intra_cluster.describe(), p.description))
+        )
     console.print(table)
 
 
@@ -315,10 +354,7 @@ def profiles_list() -> None:
 @click.argument("name")
 def profiles_show(name: str) -> None:
     """A profile's YAML and how it is read."""
-    try:
-        p = load_profile(name)
-    except ProfileError as err:
-        _fail(str(err))
+    p = load_profile(name)
     click.echo(f"# {p.source}")
     click.echo(Path(p.source).read_text().rstrip())
     click.echo(f"# inter-cluster: {p.inter_cluster.describe()}")
@@ -335,13 +371,10 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
     """Benchmark building and removing the emulated cluster (namespaces, bridge, veths, qdiscs)."""
     from harness.benchmarks import cluster_lifecycle
 
-    try:
-        prof = load_profile(profile)
-    except ProfileError as err:
-        _fail(str(err))
+    prof = load_profile(profile)
     _reexec_if_unprivileged()
     figures = cluster_lifecycle(prof, clusters, stages, repeats)
-    console.print(
+    _print_text(
         f"{clusters} clusters on {profile}, {repeats} repeats: setup {figures['setup_median_s'] * 1000:.0f} ms, "
         f"teardown {figures['teardown_median_s'] * 1000:.0f} ms, total {figures['total_median_s'] * 1000:.0f} ms "
         f"median ({figures['total_max_s'] * 1000:.0f} ms max)"
@@ -360,8 +393,8 @@ def cleanup(run_key: str | None) -> None:
 
         removed += cleanup_containers(run_key)
     except Exception as err:  # no SDK or no engine: there can be no containers of ours to remove
-        console.print(f"containers not checked ({type(err).__name__})", markup=False)
-    console.print(f"removed {len(removed)} namespace(s)" + (f": {', '.join(removed)}" if removed else ""))
+        _print_text(f"containers not checked ({type(err).__name__})")
+    _print_text(f"removed {len(removed)} namespace(s)" + (f": {', '.join(removed)}" if removed else ""))
 
 
 @main.command()
@@ -371,8 +404,8 @@ def doctor() -> None:
 
     table = Table("check", "result", "what it means")
     for check in diagnose():
-        mark = "[green]yes[/green]" if check.ok else "[red]no[/red]"
-        table.add_row(check.name, f"{mark} {check.detail}", check.meaning)
+        result = Text.assemble(("yes", "green") if check.ok else ("no", "red"), " ", check.detail)
+        table.add_row(Text(check.name), result, Text(check.meaning))
     console.print(table)
 
 
@@ -396,19 +429,6 @@ def _csv(text: str, kind: type = str) -> tuple:
         return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
     except ValueError:
         raise click.BadParameter(f"{text!r} must be a comma-separated list of {kind.__name__}s") from None
-
-
-def _method_sets(specs: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    from harness.sweep import parse_value
-
-    per_method: dict[str, dict[str, Any]] = {}
-    for spec in specs:
-        method, colon, assignment = spec.partition(":")
-        key, equals, value = assignment.partition("=")
-        if not (colon and equals and method and key):
-            raise click.BadParameter(f"{spec!r} must look like METHOD:KEY=VALUE (e.g. opendiloco:local_steps=20)")
-        per_method.setdefault(method, {})[key.replace("-", "_")] = parse_value(value)
-    return per_method
 
 
 class _SweepProgress:
@@ -436,14 +456,15 @@ class _SweepProgress:
         self.bars.advance(self.sweep)
         speed = f"{row.tokens_per_s:,.0f} tokens/s" if row.tokens_per_s else ""
         if row.skipped:
-            self.bars.console.print(f"[dim]skip[/dim]   {row.combination.name} (finished earlier) {speed}")
+            line = Text.assemble(("skip", "dim"), f"   {row.combination.name} (finished earlier) {speed}")
         elif row.status == "ok":
-            self.bars.console.print(f"[green]ok[/green]     {row.combination.name} {speed}")
+            line = Text.assemble(("ok", "green"), f"     {row.combination.name} {speed}")
         else:
-            self.bars.console.print(f"[red]failed[/red] {row.combination.name}: {row.failure}", highlight=False)
+            line = Text.assemble(("failed", "red"), f" {row.combination.name}: {row.failure}")
+        self.bars.console.print(line, highlight=False)
 
 
-@main.command()
+@main.command(cls=_WithMethodOptions)
 @click.option("--methods", required=True, help=f"Comma-separated methods ({', '.join(method_names())}).")
 @click.option("--profiles", default="", help="Comma-separated profile names or profile YAML paths.")
 @click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
@@ -472,55 +493,43 @@ class _SweepProgress:
 @click.option("--force", is_flag=True, help="Rerun finished combinations (and re-derive the regime profile).")
 @_cluster_flags
 @train_option_flags
-def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, force, seed, **flags):
+def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, force, **flags):
     """Run methods x profiles x seeds (x --set values) one after another into one sweep folder.
 
     A finished combination (summary.json with status ok) is skipped, so rerunning the command resumes an
     interrupted sweep; a failed run is recorded and the sweep goes on. OUT/index.csv lists every run.
     """
-    from harness.projection import RegimeError, regime_profile
-    from harness.sweep import SweepError, SweepInterrupted, SweepSpec, parse_set, run_sweep
+    from harness.projection import regime_profile
+    from harness.sweep import SweepInterrupted, SweepSpec, parse_set, per_method_settings, run_sweep
 
-    if seed is not None:
-        _fail("a sweep takes its seeds as a list: --seeds 0,1,2")
     settings = {k: v for k, v in flags.items() if v is not None}
-    try:
-        spec = SweepSpec(
-            methods=_csv(methods),
-            profiles=_csv(profiles),
-            seeds=_csv(seeds, int),
-            grid=tuple(parse_set(g) for g in grid),
-            settings=settings,
-            per_method=_method_sets(method_set),
-            repeats=repeats,
-        )
-        if not spec.profiles and regime is None:
-            raise SweepError("name at least one profile with --profiles, or use --regime")
-        # Before a regime measurement, check the rest against a stand-in profile: a typo should not cost minutes.
-        dataclasses.replace(spec, profiles=spec.profiles or ("unshaped",)).validate()
-    except (SweepError, ProfileError, click.BadParameter) as err:
-        _fail(str(err))
+    spec = SweepSpec(
+        methods=_csv(methods),
+        profiles=_csv(profiles),
+        seeds=_csv(seeds, int),
+        grid=tuple(parse_set(g) for g in grid),
+        settings=settings,
+        per_method=per_method_settings(method_set),
+        repeats=repeats,
+    )
+    spec.validate(regime_pending=regime is not None)
     _reexec_if_unprivileged()
     if regime is not None:
-        try:
-            path, derived = regime_profile(regime, settings, out, force)
-        except (RegimeError, SweepError, ProfileError) as err:
-            _fail(str(err))
-        click.echo(derived.describe() if derived else f"regime {regime}: reusing {path}")
+        path, derived = regime_profile(regime, settings, out, force)
+        _print_text(derived.describe() if derived else f"regime {regime}: reusing {path}")
         spec = dataclasses.replace(spec, profiles=(*spec.profiles, str(path)))
     display = _SweepProgress()
     try:
         with display.bars:
             rows = run_sweep(spec, out, force=force, observer=display)
-    except SweepError as err:
-        _fail(str(err))
     except SweepInterrupted as err:
-        console.print(f"[yellow]sweep interrupted[/yellow] ({err}); run the same command again to resume it")
+        console.print(
+            Text.assemble(("sweep interrupted", "yellow"), f" ({err}); run the same command again to resume it")
+        )
         sys.exit(130)
     failed = [r for r in rows if r.status != "ok"]
-    console.print(
-        f"{len(rows) - len(failed)} of {len(rows)} runs ok; index: {out / 'index.csv'}; next: harness report {out}",
-        highlight=False,
+    _print_text(
+        f"{len(rows) - len(failed)} of {len(rows)} runs ok; index: {out / 'index.csv'}; next: harness report {out}"
     )
     sys.exit(1 if failed else 0)
 
@@ -541,22 +550,14 @@ def regime(target, out, seed, **flags):
     """
     import tempfile
 
-    from harness.projection import RegimeError, derive_regime, get_target, write_regime_profile
-    from harness.sweep import SweepError, build_config
+    from harness.projection import check_request, derive_regime, write_regime_profile
 
     del seed  # accepted like sweep's flags; weights' seed does not change compute time
     settings = {k: v for k, v in flags.items() if v is not None}
-    try:
-        get_target(target)
-        build_config("local", "unshaped", 0, settings)
-    except (RegimeError, SweepError, ValueError) as err:
-        _fail(str(err))
+    check_request(target, settings)
     _reexec_if_unprivileged()
     with tempfile.TemporaryDirectory(prefix="harness-regime-") as work:
-        try:
-            derived = derive_regime(target, settings, Path(work))
-        except (RegimeError, SweepError, ValueError) as err:
-            _fail(str(err))
+        derived = derive_regime(target, settings, Path(work))
     path = write_regime_profile(derived, out or Path("results") / "profiles" / f"{target}-{derived.model}.yaml")
     click.echo(derived.describe())
     click.echo(f"profile: {path} (use it with --profile {path})")
@@ -575,23 +576,20 @@ def regime(target, out, seed, **flags):
 @click.option("--tables", type=click.Path(path_type=Path), help="Write the tidy runs.csv and events.csv here.")
 def report(results, target_loss, csv_path, parquet_path, tables):
     """Compare runs (run folders, sweep folders, or folders of them) as a markdown table per profile."""
-    from harness.report import ReportError, comparison, load_runs, markdown, write_csv, write_parquet, write_tables
+    from harness.report import comparison, load_runs, markdown, write_csv, write_parquet, write_tables
 
-    try:
-        loaded = load_runs(list(results))
-        compared = comparison(loaded, target_loss)
-        written = []
-        if csv_path:
-            written.append(write_csv(compared, csv_path))
-        if parquet_path:
-            written.append(write_parquet(compared, parquet_path))
-        if tables:
-            written += write_tables(loaded, tables)
-    except ReportError as err:
-        _fail(str(err))
+    loaded = load_runs(list(results))
+    compared = comparison(loaded, target_loss)
+    written = []
+    if csv_path:
+        written.append(write_csv(compared, csv_path))
+    if parquet_path:
+        written.append(write_parquet(compared, parquet_path))
+    if tables:
+        written += write_tables(loaded, tables)
     click.echo(markdown(compared, loaded.runs))
     for path in written:
-        console.print(f"wrote {path}", highlight=False)
+        _print_text(f"wrote {path}")
 
 
 @main.command()
@@ -600,15 +598,11 @@ def report(results, target_loss, csv_path, parquet_path, tables):
 def plot(results, out):
     """Loss, throughput and step-time figures (PNG and SVG), one set per profile and model."""
     from harness.plots import plot_all
-    from harness.report import ReportError, load_runs
+    from harness.report import load_runs
 
-    out = out or results[0] / "figures"
-    try:
-        written = plot_all(load_runs(list(results)), out)
-    except ReportError as err:
-        _fail(str(err))
+    written = plot_all(load_runs(list(results)), out or results[0] / "figures")
     for path in written:
-        console.print(f"wrote {path}", highlight=False)
+        _print_text(f"wrote {path}")
 
 
 @main.command()
@@ -629,28 +623,18 @@ def check(baseline, results, repeats, out):
     """
     import tempfile
 
-    from harness.regress import BaselineError, check, load_baseline, run_needed
-    from harness.report import ReportError, markdown_table
-    from harness.sweep import SweepError
+    from harness.regress import check, load_baseline, run_needed
+    from harness.report import markdown_table
 
-    try:
-        spec = load_baseline(baseline)
-    except BaselineError as err:
-        _fail(str(err))
+    spec = load_baseline(baseline)
     if results is None:
         _reexec_if_unprivileged()
         results = out or Path(tempfile.mkdtemp(prefix="harness-check-"))
-        console.print(f"running what {baseline} needs ({repeats} run(s) each) into {results}", highlight=False)
+        _print_text(f"running what {baseline} needs ({repeats} run(s) each) into {results}")
         display = _SweepProgress()
-        try:
-            with display.bars:
-                run_needed(spec, results, repeats, observer=display)
-        except SweepError as err:
-            _fail(str(err))
-    try:
-        outcomes = check(spec, [results])
-    except (BaselineError, ReportError) as err:
-        _fail(str(err))
+        with display.bars:
+            run_needed(spec, results, repeats, observer=display)
+    outcomes = check(spec, [results])
     # Plain markdown, not a rich table: CI logs are narrow and a wrapped verdict is easy to miss.
     header = ["result", "method / baseline", "profile", "metric", "measured", "min_ratio", "threshold", "medians (n)"]
     rows = [

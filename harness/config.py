@@ -14,8 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from harness.profiles import LinkSpec, Profile, load_profile
+from harness.errors import UserError
+from harness.profiles import LinkSpec, Profile, check_shapeable, load_profile
+from harness.topology import Topology
 from trainers.config import OptimConfig, TrainConfig
+
+
+def check_method_options(method: str, options: dict[str, Any]) -> None:
+    """A known method, and options it has with values its config accepts; raises UserError."""
+    from trainers.registry import method_config
+
+    try:
+        method_config(method, options)
+    except (ValueError, TypeError) as err:
+        raise UserError(str(err)) from None
 
 
 @dataclass
@@ -39,6 +51,35 @@ class RunConfig:
         if not self.run_id:
             stamp = time.strftime("%Y%m%dT%H%M%S")
             self.run_id = f"{stamp}-{self.method}-{self.profile.name}-{self.run_key}"
+
+    def validate(self) -> None:
+        """Everything the user chose, checked together before the host is touched; raises UserError."""
+        Topology(self.clusters, self.stages)
+        if self.mode == "calibrate" and self.clusters < 2:
+            raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
+        try:
+            self.train.validate()
+            # Imported here: the model and method registries load torch, which commands that only read
+            # profiles or results do not need.
+            from trainers.models import get_model_config
+
+            model_cfg = get_model_config(self.train.model)
+            if self.train.seq_len > model_cfg.max_seq_len:
+                raise ValueError(
+                    f"--seq-len {self.train.seq_len} exceeds model {model_cfg.name!r}'s "
+                    f"{model_cfg.max_seq_len}; use a shorter one"
+                )
+            if self.stages > 1:
+                from trainers.pipeline import validate_pipeline
+
+                microbatches = self.train.microbatches or self.stages
+                validate_pipeline(model_cfg, self.stages, microbatches, self.train.batch_size)
+        # The training side reports a bad setting as ValueError (or TypeError for a value of the wrong kind):
+        # here, and only here, that becomes the user's error.
+        except (ValueError, TypeError) as err:
+            raise UserError(str(err)) from None
+        check_method_options(self.method, self.method_options)
+        check_shapeable(self.profile)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -7,8 +7,9 @@ import shutil
 from dataclasses import dataclass
 
 from harness.backends.netns import user_namespaces_work
-from harness.profiles import format_rate, max_shapeable_rate_bps
+from harness.profiles import max_shapeable_rate_bps
 from harness.shaping import probe_qdiscs
+from harness.units import format_rate
 
 
 @dataclass
@@ -70,9 +71,7 @@ def diagnose() -> list[Check]:
             "tbf",
             qdiscs["tbf"],
             "sch_tbf",
-            "rate-only profiles work"
-            if qdiscs["tbf"]
-            else "no rate shaping: only the 'unshaped' profile works",
+            "rate-only profiles work" if qdiscs["tbf"] else "no rate shaping: only the 'unshaped' profile works",
         ),
         Check("htb", qdiscs["htb"], "sch_htb", "available (the harness shapes with tbf)"),
         Check(

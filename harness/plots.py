@@ -19,8 +19,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
 
-from harness.profiles import format_rate
 from harness.report import BASELINE, CEILING, GROUP_KEYS, RunTables, comparison, eval_curve
+from harness.units import format_rate
 
 FORMATS = ("png", "svg")
 COMPUTE, BLOCKED, OVERLAPPED = "#4c72b0", "#c44e52", "#dd8452"

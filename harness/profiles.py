@@ -12,12 +12,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
+from harness.errors import UserError, read_yaml
+from harness.units import format_rate
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "netem_profiles"
 
-# tbf holds ~95% of the set rate up to ~1.5 Gbit/s per core here (MACHINE-NOTES); above that the CPU, not the
-# qdisc, sets the rate and the benchmark would silently measure the wrong link. Override with HARNESS_MAX_RATE.
+# tbf holds ~95% of the set rate up to ~1.5 Gbit/s per core here (ARCHITECTURE.md, "Measured limits"); above that
+# the CPU, not the qdisc, sets the rate and the benchmark would silently measure the wrong link. Override with
+# HARNESS_MAX_RATE.
 SHAPEABLE_BPS_PER_CORE = 1.5e9
 MIN_RATE_BPS = 8_000
 
@@ -28,7 +30,7 @@ _LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss"}
 _PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster"}
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError):
     """A profile that cannot be used; the message is one sentence naming the fix."""
 
 
@@ -97,9 +99,7 @@ class LinkSpec:
         if self.rate_bps is not None:
             parts.append(f"{format_rate(self.rate_bps)} (burst {self.burst_bytes // 1024} KiB)")
         if self.delay_ms:
-            parts.append(
-                f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else "")
-            )
+            parts.append(f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else ""))
         if self.loss_pct:
             parts.append(f"loss {self.loss_pct:g}%")
         return ", ".join(parts)
@@ -109,25 +109,19 @@ class LinkSpec:
         if data is None:
             return cls()
         if not isinstance(data, dict):
-            raise ProfileError(
-                f"{where} must be a mapping of {sorted(_LINK_KEYS)}, got {type(data).__name__}"
-            )
+            raise ProfileError(f"{where} must be a mapping of {sorted(_LINK_KEYS)}, got {type(data).__name__}")
         unknown = set(data) - _LINK_KEYS
         if unknown:
             raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_LINK_KEYS)}")
-        kwargs: dict = {}
-        if "rate" in data:
-            kwargs["rate_bps"] = parse_rate_bps(data["rate"])
-        if "burst" in data:
-            kwargs["burst_bytes"] = parse_size_bytes(data["burst"])
-        if "latency" in data:
-            kwargs["latency_ms"] = parse_time_ms(data["latency"])
-        if "delay" in data:
-            kwargs["delay_ms"] = parse_time_ms(data["delay"])
-        if "jitter" in data:
-            kwargs["jitter_ms"] = parse_time_ms(data["jitter"])
-        if "loss" in data:
-            kwargs["loss_pct"] = parse_loss_pct(data["loss"])
+        parsers = {
+            "rate": ("rate_bps", parse_rate_bps),
+            "burst": ("burst_bytes", parse_size_bytes),
+            "latency": ("latency_ms", parse_time_ms),
+            "delay": ("delay_ms", parse_time_ms),
+            "jitter": ("jitter_ms", parse_time_ms),
+            "loss": ("loss_pct", parse_loss_pct),
+        }
+        kwargs = {field: parse(data[key]) for key, (field, parse) in parsers.items() if key in data}
         if kwargs.get("jitter_ms") and not kwargs.get("delay_ms"):
             raise ProfileError(f"{where} sets jitter without delay; add a delay (jitter varies it)")
         return cls(**kwargs)
@@ -155,13 +149,6 @@ class Profile:
         }
 
 
-def format_rate(bps: float) -> str:
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.3g} {unit}"
-    return f"{bps:.0f} bit/s"
-
-
 def known_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
@@ -172,8 +159,7 @@ def load_profile(name_or_path: str) -> Profile:
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         if not path.is_file():
             raise ProfileError(
-                f"profile file {name_or_path} does not exist; pass a YAML file or one of: "
-                f"{', '.join(known_profiles())}"
+                f"profile file {name_or_path} does not exist; pass a YAML file or one of: {', '.join(known_profiles())}"
             )
     else:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
@@ -182,19 +168,12 @@ def load_profile(name_or_path: str) -> Profile:
                 f"unknown profile {name_or_path!r}; known profiles: {', '.join(known_profiles())} "
                 "(or pass a path to your own YAML)"
             )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ProfileError(f"profile {path} is not valid YAML{where}; fix the syntax") from None
+    data = read_yaml(path, "profile", ProfileError)
     if not isinstance(data, dict):
         raise ProfileError(f"profile {path} must be a YAML mapping with keys {sorted(_PROFILE_KEYS)}")
     unknown = set(data) - _PROFILE_KEYS
     if unknown:
-        raise ProfileError(
-            f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}"
-        )
+        raise ProfileError(f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
     return Profile(
         name=path.stem,
         description=str(data.get("description", "")),

@@ -49,10 +49,11 @@ from typing import Any
 import yaml
 
 from harness import runner
-from harness.metrics import read_events
-from harness.profiles import format_rate
+from harness.errors import UserError
+from harness.events import read_events
 from harness.results import RunFolder
 from harness.sweep import build_config
+from harness.units import format_rate
 from trainers.comm import allreduce_payload_bytes
 from trainers.models import count_parameters, get_model_config
 
@@ -63,7 +64,7 @@ MEASURE_STEPS = 8
 MEASURE_WARMUP_STEPS = 3
 
 
-class RegimeError(ValueError):
+class RegimeError(UserError):
     """The regime cannot be derived; the message names the fix."""
 
 
@@ -158,6 +159,12 @@ class Regime:
             "intra_cluster": {},
         }
         return comments + yaml.safe_dump(body, sort_keys=False)
+
+
+def check_request(target_name: str, settings: Mapping[str, Any]) -> None:
+    """A known target, and settings a measurement run accepts; raises UserError before anything runs."""
+    get_target(target_name)
+    build_config("local", "unshaped", 0, settings)
 
 
 def measure_compute_s(run_dir: Path, stages: int, clusters: int, warmup_steps: int) -> float:

@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import yaml
 
+from harness.config import check_method_options
+from harness.errors import UserError, read_yaml
 from harness.profiles import ProfileError, known_profiles, load_profile
 from harness.report import load_runs
 from harness.sweep import SweepError, SweepObserver, SweepSpec, check_keys, profile_name, run_sweep
-from trainers.registry import METHODS, method_config
+from trainers.registry import METHODS
 
 METRICS = {"tokens_per_s": "training throughput, tokens/s"}
 RATIO_KEYS = ("method", "baseline", "profile", "metric", "min_ratio")
@@ -44,7 +45,7 @@ TOP_KEYS = {"tolerance", "ratios", "run"}
 MATCH_KEYS = ("model", "clusters", "stages", "steps")
 
 
-class BaselineError(ValueError):
+class BaselineError(UserError):
     """A baseline file that cannot be checked; the message is one sentence naming the fix."""
 
 
@@ -139,22 +140,15 @@ def _run_section(run: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]], i
         if not isinstance(options, dict):
             raise BaselineError(f"run: methods: {name} must map option names to values, got {options!r}")
         try:
-            method_config(name, options)
-        except (ValueError, TypeError) as err:
+            check_method_options(name, options)
+        except UserError as err:
             raise BaselineError(f"run: methods: {err}") from None
     return settings, methods, seed
 
 
 def load_baseline(path: Path) -> Baseline:
     """Read and validate a baseline file; every problem is a BaselineError with one clear sentence."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise BaselineError(f"cannot read baseline file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise BaselineError(f"baseline file {path} is not valid YAML{where}; fix the syntax") from None
+    data = read_yaml(path, "baseline file", BaselineError)
     if not isinstance(data, dict):
         raise BaselineError(f"baseline file {path} must be a YAML mapping with keys tolerance and ratios")
     missing = sorted({"tolerance", "ratios"} - set(data))

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.metrics import read_events
-from harness.profiles import format_rate
+from harness.errors import UserError
+from harness.events import read_events
+from harness.units import format_rate
 
 # What makes two runs comparable: everything but the method and the seed.
 GROUP_KEYS = ["profile", "model", "clusters", "stages", "steps"]
@@ -43,7 +44,7 @@ _SUMMARY_SCALARS = (
 )  # fmt: skip
 
 
-class ReportError(ValueError):
+class ReportError(UserError):
     """Nothing to report on, or an output that cannot be written; the message names the fix."""
 
 

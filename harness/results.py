@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import RunConfig
-from harness.metrics import read_events
+from harness.errors import UserError
+from harness.events import read_events
 from trainers.models import count_parameters, get_model_config
 
 DEFAULT_RUNS_DIR = Path("results") / "runs"
 SUMMARY_SCHEMA = 1
 
 
-class ResultsError(ValueError):
+class ResultsError(UserError):
     """The results folder cannot be written; the message names the fix."""
 
 

@@ -19,13 +19,12 @@ from typing import Any
 
 from harness.backends import ClusterBackend, Worker, make_backend
 from harness.config import RunConfig
-from harness.metrics import EventTail, read_events
-from harness.profiles import ProfileError, check_shapeable, format_rate
+from harness.errors import UserError
+from harness.events import EventTail, read_events
 from harness.results import DEFAULT_RUNS_DIR, RunFolder, environment, summarize
 from harness.shaping import probe_qdiscs
 from harness.topology import Topology
-from trainers.models import get_model_config
-from trainers.registry import method_config
+from harness.units import format_rate
 
 MASTER_PORT = 29500
 # How long a stopped worker gets to exit before SIGKILL.
@@ -34,7 +33,7 @@ STOP_GRACE_S = 3.0
 FAILURE_SETTLE_S = 1.0
 
 
-class RunError(ValueError):
+class RunError(UserError):
     """Bad input, found before anything was created."""
 
 
@@ -44,25 +43,7 @@ class Interrupted(Exception):
 
 def validate(config: RunConfig, out: Path | None) -> RunFolder:
     """Check everything the user chose, in one place, before the host is touched; returns the results folder."""
-    try:
-        Topology(config.clusters, config.stages)
-        config.train.validate()
-        model_cfg = get_model_config(config.train.model)
-        if config.train.seq_len > model_cfg.max_seq_len:
-            raise ValueError(
-                f"--seq-len {config.train.seq_len} exceeds model {model_cfg.name!r}'s "
-                f"{model_cfg.max_seq_len}; use a shorter one"
-            )
-        if config.stages > 1:
-            from trainers.pipeline import validate_pipeline
-
-            validate_pipeline(
-                model_cfg, config.stages, config.train.microbatches or config.stages, config.train.batch_size
-            )
-        method_config(config.method, config.method_options)
-        check_shapeable(config.profile)
-    except (ValueError, ProfileError) as err:
-        raise RunError(str(err)) from None
+    config.validate()
     if config.backend == "docker":
         try:
             from harness.backends.docker import unavailable_reason
@@ -79,10 +60,7 @@ def validate(config: RunConfig, out: Path | None) -> RunFolder:
             "sch_netem; load it (modprobe sch_netem) or use a rate-only profile"
         )
     folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
-    try:
-        folder.check()
-    except ValueError as err:
-        raise RunError(str(err)) from None
+    folder.check()
     return folder
 
 

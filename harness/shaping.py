@@ -79,9 +79,7 @@ def apply_link_spec(ip: IPRoute, ifname: str, spec: LinkSpec) -> list[dict]:
         applied.append({"dev": ifname, "kind": "netem", "handle": "1:", "parent": "root", **netem})
         if spec.rate_bps is not None:
             ip.tc("add", "tbf", index, 0x100000, parent=0x10001, **_tbf_kwargs(spec))
-            applied.append(
-                {"dev": ifname, "kind": "tbf", "handle": "10:", "parent": "1:1", **_tbf_kwargs(spec)}
-            )
+            applied.append({"dev": ifname, "kind": "tbf", "handle": "10:", "parent": "1:1", **_tbf_kwargs(spec)})
     else:
         ip.tc("add", "tbf", index, 0x10000, **_tbf_kwargs(spec))
         applied.append({"dev": ifname, "kind": "tbf", "handle": "1:", "parent": "root", **_tbf_kwargs(spec)})
@@ -98,9 +96,7 @@ def read_qdiscs(ip: IPRoute, ifname: str) -> list[dict]:
             "dev": ifname,
             "kind": kind,
             "handle": f"{msg['handle'] >> 16:x}:",
-            "parent": "root"
-            if msg["parent"] == 0xFFFFFFFF
-            else f"{msg['parent'] >> 16:x}:{msg['parent'] & 0xFFFF:x}",
+            "parent": "root" if msg["parent"] == 0xFFFFFFFF else f"{msg['parent'] >> 16:x}:{msg['parent'] & 0xFFFF:x}",
         }
         options = msg.get_attr("TCA_OPTIONS")
         if kind == "tbf" and options is not None:

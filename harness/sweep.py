@@ -34,16 +34,17 @@ import pandas as pd
 
 from harness import runner
 from harness.config import RunConfig
+from harness.errors import UserError
 from harness.results import RunFolder
 from trainers.config import TrainConfig
-from trainers.registry import METHODS, method_config
+from trainers.registry import METHODS, option_names
 
 CLUSTER_KEYS = frozenset({"clusters", "stages", "backend"})
 # The seed is a sweep axis of its own; of the optimizer, RunConfig.build takes the learning rate.
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"optim", "seed"} | {"lr"}
 
 
-class SweepError(ValueError):
+class SweepError(UserError):
     """A sweep that cannot start; the message names the fix."""
 
 
@@ -51,21 +52,17 @@ class SweepInterrupted(Exception):
     """Ctrl-C or SIGTERM stopped a run; the sweep stopped after recording it."""
 
 
-def method_option_names(method: str) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(METHODS[method][0]))
-
-
-def all_method_option_names() -> frozenset[str]:
-    return frozenset().union(*(method_option_names(m) for m in METHODS))
+def all_option_names() -> frozenset[str]:
+    return frozenset().union(*(option_names(m) for m in METHODS))
 
 
 def applies_to(key: str, method: str) -> bool:
     """Whether setting `key` means anything for `method`; unknown keys are refused by `check_keys` first."""
-    return key not in all_method_option_names() or key in method_option_names(method)
+    return key not in all_option_names() or key in option_names(method)
 
 
 def check_keys(keys: Sequence[str]) -> None:
-    known = CLUSTER_KEYS | TRAIN_KEYS | all_method_option_names()
+    known = CLUSTER_KEYS | TRAIN_KEYS | all_option_names()
     unknown = sorted(set(keys) - known)
     if unknown:
         raise SweepError(
@@ -92,6 +89,24 @@ def parse_set(spec: str) -> tuple[str, tuple[Any, ...]]:
     if not sep or not key.strip() or not values.strip():
         raise SweepError(f"--set {spec!r} must look like KEY=V1,V2 (e.g. local_steps=10,50)")
     return key.strip().replace("-", "_"), tuple(parse_value(v) for v in values.split(","))
+
+
+def parse_method_set(spec: str) -> tuple[str, str, Any]:
+    """'opendiloco:local_steps=20' -> ('opendiloco', 'local_steps', 20): an option fixed for one method only."""
+    method, colon, assignment = spec.partition(":")
+    key, equals, value = assignment.partition("=")
+    if not (colon and equals and method.strip() and key.strip()):
+        raise SweepError(f"--method-set {spec!r} must look like METHOD:KEY=VALUE (e.g. opendiloco:local_steps=20)")
+    return method.strip(), key.strip().replace("-", "_"), parse_value(value)
+
+
+def per_method_settings(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Every --method-set, grouped by method."""
+    per_method: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        method, key, value = parse_method_set(spec)
+        per_method.setdefault(method, {})[key] = value
+    return per_method
 
 
 def profile_name(profile: str) -> str:
@@ -129,8 +144,7 @@ def build_config(method: str, profile: str, seed: int, settings: Mapping[str, An
     """A RunConfig from flat settings; method options that `method` does not have are left out (module doc)."""
     check_keys(list(settings))
     config = RunConfig.build(method, profile, seed=seed, **{k: v for k, v in settings.items() if applies_to(k, method)})
-    config.train.validate()
-    method_config(method, config.method_options)
+    config.validate()
     return config
 
 
@@ -160,9 +174,18 @@ class SweepSpec:
         settings = {**self.settings, **self.per_method.get(combo.method, {}), **dict(combo.varied)}
         return build_config(combo.method, combo.profile, combo.seed, settings)
 
-    def validate(self) -> None:
-        """Refuse a bad method, profile, setting or value before the first run starts."""
-        if not (self.methods and self.profiles and self.seeds):
+    def validate(self, regime_pending: bool = False) -> None:
+        """Refuse a bad method, profile, setting or value before the first run starts.
+
+        With `regime_pending` a regime profile is still to be derived (minutes): the rest is checked first, with
+        an unshaped link standing in for it, so a typo costs nothing.
+        """
+        if regime_pending:
+            dataclasses.replace(self, profiles=(*self.profiles, "unshaped")).validate()
+            return
+        if not self.profiles:
+            raise SweepError("name at least one profile with --profiles, or use --regime")
+        if not (self.methods and self.seeds):
             raise SweepError("a sweep needs at least one method, one profile and one seed")
         if self.repeats < 1:
             raise SweepError(f"--repeats must be at least 1, got {self.repeats}")
@@ -173,16 +196,16 @@ class SweepSpec:
         for method, options in self.per_method.items():
             if method not in METHODS:
                 raise SweepError(f"options given for unknown method {method!r}; known: {', '.join(METHODS)}")
-            foreign = sorted(set(options) - method_option_names(method))
+            foreign = sorted(set(options) - option_names(method))
             if foreign:
                 raise SweepError(
                     f"{', '.join(foreign)} is not an option of method {method!r}; its options: "
-                    f"{', '.join(sorted(method_option_names(method))) or 'none'}"
+                    f"{', '.join(sorted(option_names(method))) or 'none'}"
                 )
         for combo in self.combinations():
             try:
                 self.config(combo)
-            except (ValueError, TypeError) as err:
+            except UserError as err:
                 raise SweepError(f"{combo.name}: {err}") from None
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from harness.errors import UserError
+
 # RFC 2544's benchmarking range: never routed, so the emulated cluster cannot collide with a real network.
 DEFAULT_SUBNET = "198.18.0.0/24"
 
@@ -21,14 +23,12 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.clusters < 1:
-            raise ValueError(f"--clusters must be at least 1, got {self.clusters}")
+            raise UserError(f"--clusters must be at least 1, got {self.clusters}")
         if self.stages < 1:
-            raise ValueError(f"--stages must be at least 1, got {self.stages}")
+            raise UserError(f"--stages must be at least 1, got {self.stages}")
         hosts = ipaddress.ip_network(self.subnet).num_addresses - 2
         if self.clusters > hosts:
-            raise ValueError(
-                f"--clusters {self.clusters} does not fit in subnet {self.subnet}; use fewer clusters"
-            )
+            raise UserError(f"--clusters {self.clusters} does not fit in subnet {self.subnet}; use fewer clusters")
 
     @property
     def world_size(self) -> int:

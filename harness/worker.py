@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from harness.config import RunConfig
-from harness.metrics import EventWriter, LinkCounter
+from harness.counters import LinkCounter
+from harness.events import EventWriter
 from harness.topology import Topology
 from trainers.comm import allreduce_payload_bytes
 from trainers.registry import method_config

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
-from trainers.method import Method, MethodContext, SyncReport
-from trainers.optim import InnerOptimizer
+from trainers.method import Method, SyncReport
 
 
 @dataclass(frozen=True)
@@ -19,10 +18,7 @@ class AllReduceConfig:
 
 
 class AllReduce(Method):
-    def __init__(self, ctx: MethodContext, cfg: AllReduceConfig):
-        self.ctx = ctx
-        self.params = ctx.params
-        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
+    config_class = AllReduceConfig
 
     def step(self, step: int) -> SyncReport | None:
         grads = [p.grad for p in self.params]
@@ -36,10 +32,3 @@ class AllReduce(Method):
         if self.ctx.data_parallel_group is None:
             return None
         return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s)
-
-    def optimizer_state_bytes(self) -> int:
-        return self.inner.state_bytes()
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr

@@ -41,15 +41,13 @@ all-gather of the compressed average about 2(n-1)/n: the same for two clusters.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
-from trainers.compression import ErrorFeedback, SparseQuantizeCompressor, relative_error
-from trainers.method import Method, MethodContext, SyncReport, swapped_in
-from trainers.optim import InnerOptimizer
+from trainers.compression import ErrorFeedback, SparseQuantizeCompressor, mean_of_payloads, relative_error
+from trainers.method import Method, MethodContext, SyncReport, tensor_bytes
 
 _BITS = (2, 4, 8, None)
 
@@ -89,14 +87,11 @@ class _Round:
 
 
 class Cocktail(Method):
+    config_class = CocktailConfig
+    keeps_global_copy = True  # g
+
     def __init__(self, ctx: MethodContext, cfg: CocktailConfig):
-        self.ctx = ctx
-        self.cfg = cfg
-        self.names = [name for name, _ in ctx.named_params]
-        self.params = ctx.params
-        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
-        # Replicas start from identical weights (same seed), so g starts identical without a broadcast.
-        self.global_params = [p.detach().clone().float() for p in self.params]
+        super().__init__(ctx, cfg)
         # The run's seed keys the random mask: every rank derives the same mask at a step, nothing exchanged.
         self.compressor = SparseQuantizeCompressor(
             cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size, seed=ctx.seed
@@ -159,17 +154,11 @@ class Cocktail(Method):
             return 0.0, 0.0
         sent, self.pending = self.pending, None
         blocked_s, overlapped_s = sent.inflight.wait()
-        sizes = [self.compressor.payload_nbytes(g.shape) for g in self.global_params]
-        decoded = [
-            [
-                self.compressor.decode(payload, g.shape, sent.step)
-                for payload, g in zip(rank_payload.split(sizes), self.global_params, strict=True)
-            ]
-            for rank_payload in sent.gathered
-        ]
-        for i, (name, g, p) in enumerate(zip(self.names, self.global_params, self.params, strict=True)):
-            # Summed in rank order on every rank, so g stays bit-identical across replicas.
-            average = torch.stack([rank_decoded[i] for rank_decoded in decoded]).mean(dim=0)
+        shapes = [g.shape for g in self.global_params]
+        averages = mean_of_payloads(sent.gathered, self.compressor, shapes, sent.step)
+        for i, (name, g, p, average) in enumerate(
+            zip(self.names, self.global_params, self.params, averages, strict=True)
+        ):
             update = self._server_compress(name, average, sent.step)
             kept = p - g - sent.retired[i]  # the lead x_i keeps: held-back residual and this step's progress
             g += update
@@ -186,14 +175,6 @@ class Cocktail(Method):
             self.server_residuals.update(name, c, update)
         return update
 
-    def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
-        return swapped_in(self.params, self.global_params)
-
     def optimizer_state_bytes(self) -> int:
-        """Inner AdamW moments plus what the method keeps beside the model: g and the server's residual."""
-        extra = self.global_params + list(self.server_residuals.residuals.values())
-        return self.inner.state_bytes() + sum(t.numel() * t.element_size() for t in extra)
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr
+        """Inner AdamW moments and g, plus the server's residual s."""
+        return super().optimizer_state_bytes() + tensor_bytes(self.server_residuals.residuals.values())

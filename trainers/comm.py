@@ -61,14 +61,10 @@ def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | None) -> InFli
     if group is None:
         return InFlight(None, 0)
     work = dist.all_reduce(flat, group=group, async_op=True)
-    return InFlight(
-        work, allreduce_payload_bytes(flat.numel() * flat.element_size(), dist.get_world_size(group))
-    )
+    return InFlight(work, allreduce_payload_bytes(flat.numel() * flat.element_size(), dist.get_world_size(group)))
 
 
-def all_gather_bytes(
-    payload: torch.Tensor, group: dist.ProcessGroup | None
-) -> tuple[list[torch.Tensor], InFlight]:
+def all_gather_bytes(payload: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], InFlight]:
     """Start gathering every rank's uint8 `payload` (equal sizes on all ranks), so each rank can decode them all.
 
     The returned list is filled once `wait()` returns.

@@ -7,16 +7,16 @@ which every rank knows. Anything else the receiver needs (bucket scales) travels
 
 Building blocks, each usable alone:
 
-- cast: fp16 / bf16 / fp32 bytes (OpenDiLoCo sends fp16 pseudo-gradients)
+- cast: the fp16 / bf16 / fp32 dtypes OpenDiLoCo's all-reduce sums in (``CAST_DTYPES``)
 - int-k quantization: per-bucket max-abs scaling, symmetric levels, k in {2, 4, 8}, packed into bytes
 - random sparsification: a deterministic rotating strided mask every rank derives alone (CocktailSGD)
 - top-k selection with compact index encoding
 - low rank: one PowerSGD power iteration, and the spectral-energy rank estimator DiLoCoX adapts with
 - error feedback: what compression dropped, added back to the next tensor
 
-and the composites the methods use, behind one ``Compressor`` protocol: ``CastCompressor``,
-``QuantizeCompressor``, ``SparseQuantizeCompressor`` (CocktailSGD) and ``LowRankQuantizeCompressor``
-(DiLoCoX's C_Q o C_L).
+and the two composites the methods use, each with ``encode(x, step)``, ``decode(payload, shape, step)`` and
+``payload_nbytes(shape)``: ``SparseQuantizeCompressor`` (CocktailSGD) and ``LowRankQuantizeCompressor`` (DiLoCoX's
+C_Q o C_L).
 
 Everything stays in torch on the tensor's device. Multi-byte layouts are built from shifts and masks, so the
 bytes do not depend on the host's endianness (fp16/fp32 values excepted: they are raw little-endian memory on
@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
 CastDtype = Literal["fp16", "bf16", "fp32"]
 
-_CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# Plain casts: OpenDiLoCo sends its pseudo-gradients as fp16, summed on the wire in that dtype.
+CAST_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _SUPPORTED_BITS = (2, 4, 8)
 _FP16_MAX = 65504.0
 _FP32_BYTES = 4
@@ -64,11 +65,6 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be >= 1; got {value}")
 
 
-def _check_cast_dtype(dtype: str) -> None:
-    if dtype not in _CAST_DTYPES:
-        raise ValueError(f"dtype must be one of fp16, bf16, fp32; got {dtype!r}")
-
-
 def _as_dtype(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret the uint8 bytes ``buf`` as ``dtype``.
 
@@ -79,23 +75,6 @@ def _as_dtype(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if buf.storage_offset() % dtype.itemsize:
         buf = buf.clone()
     return buf.view(dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Cast
-# ----------------------------------------------------------------------------------------------------------
-
-
-def cast_payload(x: torch.Tensor, dtype: CastDtype) -> torch.Tensor:
-    """The bytes of ``x`` cast to ``dtype`` ("fp16", "bf16" or "fp32"), as a flat uint8 tensor."""
-    _check_cast_dtype(dtype)
-    return x.detach().reshape(-1).to(_CAST_DTYPES[dtype]).contiguous().view(torch.uint8)
-
-
-def uncast_payload(buf: torch.Tensor, dtype: CastDtype, shape: Shape) -> torch.Tensor:
-    """Inverse of ``cast_payload``: ``buf`` read as ``dtype``, as a float32 tensor of ``shape``."""
-    _check_cast_dtype(dtype)
-    return _as_dtype(buf, _CAST_DTYPES[dtype]).to(torch.float32).reshape(shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -222,12 +201,14 @@ def _values_nbytes(numel: int, bits: int | None, bucket_size: int) -> int:
 
 
 def _encode_values(x: torch.Tensor, bits: int | None, bucket_size: int) -> torch.Tensor:
-    return cast_payload(x, "fp32") if bits is None else quantize(x, bits, bucket_size).to_bytes()
+    if bits is None:
+        return x.detach().reshape(-1).to(torch.float32).contiguous().view(torch.uint8)
+    return quantize(x, bits, bucket_size).to_bytes()
 
 
 def _decode_values(buf: torch.Tensor, bits: int | None, bucket_size: int, shape: Shape) -> torch.Tensor:
     if bits is None:
-        return uncast_payload(buf, "fp32", shape)
+        return _as_dtype(buf, torch.float32).reshape(shape)
     return dequantize(Quantized.from_bytes(buf, math.prod(shape), bits, bucket_size), shape)
 
 
@@ -416,62 +397,6 @@ def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------------------
 
 
-class Compressor(Protocol):
-    """One tensor in, the uint8 bytes to send out; the receiver decodes with the shape and step it knows."""
-
-    def encode(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        """The wire payload for ``x`` at ``step``: flat uint8, ``payload_nbytes(x.shape)`` bytes."""
-        ...
-
-    def decode(self, payload: torch.Tensor, shape: torch.Size, step: int) -> torch.Tensor:
-        """The float32 tensor of ``shape`` that ``payload`` (made by ``encode`` at ``step``) stands for."""
-        ...
-
-    def payload_nbytes(self, shape: torch.Size) -> int:
-        """Exact size of ``encode``'s payload for a ``shape`` tensor, so an all_gather buffer can be split."""
-        ...
-
-
-@dataclass
-class CastCompressor:
-    """The tensor cast to ``dtype``: "fp16" (OpenDiLoCo), "bf16" or "fp32"."""
-
-    dtype: CastDtype
-
-    def __post_init__(self) -> None:
-        _check_cast_dtype(self.dtype)
-
-    def encode(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        return cast_payload(x, self.dtype)
-
-    def decode(self, payload: torch.Tensor, shape: torch.Size, step: int) -> torch.Tensor:
-        return uncast_payload(payload, self.dtype, shape)
-
-    def payload_nbytes(self, shape: torch.Size) -> int:
-        return math.prod(shape) * _CAST_DTYPES[self.dtype].itemsize
-
-
-@dataclass
-class QuantizeCompressor:
-    """Int-``bits`` quantization of the whole tensor in buckets of ``bucket_size`` (see ``quantize``)."""
-
-    bits: int
-    bucket_size: int = 128
-
-    def __post_init__(self) -> None:
-        _check_bits(self.bits)
-        _check_positive("bucket_size", self.bucket_size)
-
-    def encode(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        return quantize(x, self.bits, self.bucket_size).to_bytes()
-
-    def decode(self, payload: torch.Tensor, shape: torch.Size, step: int) -> torch.Tensor:
-        return _decode_values(payload, self.bits, self.bucket_size, shape)
-
-    def payload_nbytes(self, shape: torch.Size) -> int:
-        return quantized_nbytes(math.prod(shape), self.bits, self.bucket_size)
-
-
 @dataclass
 class SparseQuantizeCompressor:
     """CocktailSGD's chain: random mask -> top-k within it -> int-``bits`` quantization of what is kept.
@@ -603,3 +528,21 @@ class LowRankQuantizeCompressor:
         if not self._factored(shape):
             return _values_nbytes(math.prod(shape), self.bits, self.bucket_size)
         return low_rank_nbytes(shape, self.rank, self.bits, self.bucket_size)
+
+
+def mean_of_payloads(
+    gathered: list[torch.Tensor], compressor, shapes: list[torch.Size], step: int
+) -> list[torch.Tensor]:
+    """Per tensor, the mean of what every replica's payload decodes to.
+
+    `gathered` holds one flat buffer per replica (an all-gather's output), each the concatenated payloads of
+    `shapes` as `compressor` encoded them at `step`. Summed in rank order, so the mean is bit-identical on every
+    rank: a sum of compressed payloads (low-rank factors, sparse values) is not itself a payload, so averaging
+    happens after decoding.
+    """
+    sizes = [compressor.payload_nbytes(shape) for shape in shapes]
+    decoded = [
+        [compressor.decode(payload, shape, step) for payload, shape in zip(buffer.split(sizes), shapes, strict=True)]
+        for buffer in gathered
+    ]
+    return [torch.stack(per_replica).mean(dim=0) for per_replica in zip(*decoded, strict=True)]

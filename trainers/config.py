@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The inner optimizer every method uses: AdamW with linear warm-up then cosine decay (DESIGN.md)."""
+    """The inner optimizer every method uses: AdamW with linear warm-up then cosine decay."""
 
     lr: float = 4e-4
     weight_decay: float = 0.1

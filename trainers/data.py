@@ -19,16 +19,6 @@ import torch
 DOC_SEPARATOR = b"\x04"
 
 
-class ByteTokenizer:
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int] | torch.Tensor) -> str:
-        return bytes(ids.tolist() if isinstance(ids, torch.Tensor) else ids).decode("utf-8", errors="replace")
-
-
 @dataclass(frozen=True)
 class Corpus:
     train: torch.Tensor  # uint8 token ids

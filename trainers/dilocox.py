@@ -52,7 +52,6 @@ one-step delay assumes it stays well below 1.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -62,9 +61,15 @@ import torch
 import torch.distributed as dist
 
 from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
-from trainers.compression import ErrorFeedback, LowRankQuantizeCompressor, estimate_rank, relative_error
-from trainers.method import Method, MethodContext, SyncReport, copy_into, swapped_in
-from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer, validate_outer
+from trainers.compression import (
+    ErrorFeedback,
+    LowRankQuantizeCompressor,
+    estimate_rank,
+    mean_of_payloads,
+    relative_error,
+)
+from trainers.method import Method, MethodContext, SyncReport, copy_into, tensor_bytes
+from trainers.optim import OuterOptimizer, validate_outer
 
 _BITS = (2, 4, 8)
 
@@ -132,16 +137,14 @@ class _Exchange:
 
 
 class DiLoCoX(Method):
+    config_class = DiLoCoXConfig
+    keeps_global_copy = True  # theta
+
     def __init__(self, ctx: MethodContext, cfg: DiLoCoXConfig):
-        self.ctx = ctx
-        self.cfg = cfg
-        self.names = [name for name, _ in ctx.named_params]
-        self.params = ctx.params
-        # The dual optimizer of this stage only: inner AdamW on the local weights, outer Nesterov on theta.
-        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
-        # Replicas start from identical weights (same seed), so theta_0 is identical without a broadcast.
-        self.global_params = [p.detach().clone().float() for p in self.params]
-        self.outer_optimizer = outer_optimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
+        super().__init__(ctx, cfg)
+        # The dual optimizer of this stage only: the inner AdamW (the base class's) on the local weights, the
+        # outer Nesterov on theta.
+        self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
         self.compressor = LowRankQuantizeCompressor(cfg.rank, cfg.bits, cfg.bucket_size, seed=ctx.seed)
         self.error_feedback = ErrorFeedback()  # e_i, per parameter name
         self.local_steps = cfg.local_steps  # H_t of the round in progress
@@ -214,10 +217,7 @@ class DiLoCoX(Method):
         """Wait for `exchange`, take the outer step with its average and adapt; (blocked, overlapped, fields)."""
         blocked_s, overlapped_s = exchange.inflight.wait()
         average = self._average(exchange)
-        for global_param, pseudo_grad in zip(self.global_params, average, strict=True):
-            global_param.grad = pseudo_grad
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
+        self.outer.step(average)
 
         fields = {"staleness": None, "estimated_rank": self._estimate_rank(average)}
         if self.last_average is not None:
@@ -237,15 +237,7 @@ class DiLoCoX(Method):
             return average
         # Decoding needs only the shapes and the rank the payloads were made with.
         decoder = LowRankQuantizeCompressor(exchange.rank, self.cfg.bits, self.cfg.bucket_size)
-        sizes = [decoder.payload_nbytes(g.shape) for g in self.global_params]
-        decoded = [
-            [
-                decoder.decode(payload, g.shape, exchange.round)
-                for payload, g in zip(buffer.split(sizes), self.global_params, strict=True)
-            ]
-            for buffer in exchange.buffers
-        ]
-        return [torch.stack(per_replica).mean(dim=0) for per_replica in zip(*decoded, strict=True)]
+        return mean_of_payloads(exchange.buffers, decoder, [g.shape for g in self.global_params], exchange.round)
 
     def _estimate_rank(self, average: list[torch.Tensor]) -> int:
         """rhat: the mean of estimate_rank over the matrices of the whole replica (see the module docstring).
@@ -270,22 +262,11 @@ class DiLoCoX(Method):
         copy_into(self.global_params, self.params)
         return SyncReport(payload_bytes=0, blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields)
 
-    def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
-        return swapped_in(self.params, self.global_params)
-
     def optimizer_state_bytes(self) -> int:
-        """Inner AdamW moments, the outer momentum buffer, theta and the error-feedback residuals, for this stage.
+        """Inner AdamW moments, theta, the outer momentum buffer and the error-feedback residuals, for this stage.
 
         Not counted: the compressor's warm-start factors Q (n x r per matrix), the staleness monitor's last
         average, and the payload buffers of an exchange in flight: communication state, not optimizer state.
         """
-        extra = self.global_params + list(self.error_feedback.residuals.values())
-        return (
-            self.inner.state_bytes()
-            + optimizer_state_bytes(self.outer_optimizer)
-            + sum(t.numel() * t.element_size() for t in extra)
-        )
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr
+        residuals = tensor_bytes(self.error_feedback.residuals.values())
+        return super().optimizer_state_bytes() + self.outer.state_bytes() + residuals

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainers.method import Method, MethodContext, SyncReport
-from trainers.optim import InnerOptimizer
+from trainers.method import Method, SyncReport
 
 
 @dataclass(frozen=True)
@@ -21,16 +20,8 @@ class LocalConfig:
 
 
 class Local(Method):
-    def __init__(self, ctx: MethodContext, cfg: LocalConfig):
-        self.inner = InnerOptimizer(ctx.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
+    config_class = LocalConfig
 
     def step(self, step: int) -> SyncReport | None:
         self.inner.step()
         return None
-
-    def optimizer_state_bytes(self) -> int:
-        return self.inner.state_bytes()
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 
 from trainers.config import OptimConfig
+from trainers.optim import InnerOptimizer
 
 
 @dataclass
@@ -73,8 +75,31 @@ def swapped_in(params: list[torch.nn.Parameter], values: list[torch.Tensor]) -> 
         copy_into(local, params)
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class Method(ABC):
-    """One synchronization strategy; `step` is called once per training step, after backward."""
+    """One synchronization strategy; `step` is called once per training step, after backward.
+
+    The base class holds what every method shares: its config (`self.cfg`), this stage's parameters, the inner
+    optimizer (`self.inner`, and `lr` from it) and, for methods that set `keeps_global_copy`, the global
+    parameters theta_global: an fp32 copy of this stage, identical on every replica, that evaluation runs on.
+    A subclass is its config and its algorithm.
+    """
+
+    config_class: ClassVar[type]  # the method's settings (a frozen dataclass); the CLI's flags come from its fields
+    keeps_global_copy: ClassVar[bool] = False
+
+    def __init__(self, ctx: MethodContext, cfg: object):
+        self.ctx = ctx
+        self.cfg = cfg
+        self.names = [name for name, _ in ctx.named_params]
+        self.params = ctx.params
+        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
+        # Replicas start from identical weights (same seed), so copying the local model makes theta_global
+        # identical on every replica without a broadcast.
+        self.global_params = [p.detach().clone().float() for p in self.params] if self.keeps_global_copy else []
 
     @abstractmethod
     def step(self, step: int) -> SyncReport | None:
@@ -84,16 +109,21 @@ class Method(ABC):
         """Complete communication still in flight at the end of training."""
         return None
 
-    @contextlib.contextmanager
-    def eval_parameters(self) -> Iterator[None]:
-        """Parameters to evaluate on: the synchronized (global) ones. Plain data parallel: the model as is."""
-        yield
+    def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
+        """Parameters to evaluate on: theta_global where the method keeps one, else the model as it is."""
+        if self.keeps_global_copy:
+            return swapped_in(self.params, self.global_params)
+        return contextlib.nullcontext()
 
-    @abstractmethod
     def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (inner and outer)."""
+        """Bytes of optimizer state this rank holds: the inner AdamW moments and theta_global.
+
+        theta_global counts as optimizer state because it exists only for the method's outer update; a plain
+        data-parallel run would not hold it. Methods add what else they keep (outer momentum, residuals).
+        """
+        return self.inner.state_bytes() + tensor_bytes(self.global_params)
 
     @property
-    @abstractmethod
     def lr(self) -> float:
         """The inner learning rate in force."""
+        return self.inner.lr

@@ -219,7 +219,3 @@ class DecoderLM(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def build_model(name: str) -> DecoderLM:
-    return DecoderLM(get_model_config(name))

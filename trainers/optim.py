@@ -72,9 +72,27 @@ def validate_outer(local_steps: int, outer_lr: float, outer_momentum: float) -> 
         raise ValueError(f"--outer-momentum must be in [0, 1), got {outer_momentum}")
 
 
-def outer_optimizer(params: Iterable[torch.Tensor], lr: float, momentum: float) -> torch.optim.SGD:
-    """DiLoCo's outer optimizer: SGD with Nesterov momentum on the global parameters, fed pseudo-gradients."""
-    return torch.optim.SGD(list(params), lr=lr, momentum=momentum, nesterov=momentum > 0)
+class OuterOptimizer:
+    """DiLoCo's outer step: SGD with Nesterov momentum on theta_global, fed the replicas' averaged pseudo-gradient.
+
+    A pseudo-gradient theta_global - theta_i points from where a round ended back to where it started, so a
+    descent step on it with lr 1 and no momentum moves theta_global to the replicas' average.
+    """
+
+    def __init__(self, global_params: list[torch.Tensor], lr: float, momentum: float):
+        self.global_params = global_params
+        self.optimizer = torch.optim.SGD(global_params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    @torch.no_grad()
+    def step(self, pseudo_grads: list[torch.Tensor]) -> None:
+        for global_param, pseudo_grad in zip(self.global_params, pseudo_grads, strict=True):
+            global_param.grad = pseudo_grad
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        """The momentum buffer."""
+        return optimizer_state_bytes(self.optimizer)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

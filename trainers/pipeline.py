@@ -67,9 +67,7 @@ def split_points(n_layers: int, stages: int) -> list[int]:
     [0, 2, 4, 5, 6].
     """
     if not 1 <= stages <= n_layers:
-        raise ValueError(
-            f"cannot cut {n_layers} layers into {stages} stages; use between 1 and {n_layers} stages"
-        )
+        raise ValueError(f"cannot cut {n_layers} layers into {stages} stages; use between 1 and {n_layers} stages")
     base, extra = divmod(n_layers, stages)
     points = [0]
     for i in range(stages):
@@ -83,8 +81,7 @@ def _check_cut(cfg: ModelConfig, stages: int) -> None:
         raise ValueError(f"--stages must be at least 1, got {stages}")
     if stages > cfg.n_layers:
         raise ValueError(
-            f"--stages {stages} exceeds the {cfg.n_layers} layers of model {cfg.name!r}; "
-            f"use at most {cfg.n_layers}"
+            f"--stages {stages} exceeds the {cfg.n_layers} layers of model {cfg.name!r}; use at most {cfg.n_layers}"
         )
     if stages > 1 and cfg.tie_embeddings:
         raise ValueError(

@@ -1,23 +1,25 @@
-"""Method names -> (config dataclass, method class). The one list of what `--method` accepts."""
+"""Method names -> their classes. The one list of what `--method` accepts.
+
+Adding a method takes two files: `trainers/<name>.py`, holding its config dataclass and its `Method` subclass (whose
+`config_class` names the config), and one line here. The CLI's flags, sweeps and baselines find its options from the
+config's fields. Modules are imported on first use, so listing the names costs nothing (no torch).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from trainers.allreduce import AllReduce, AllReduceConfig
-from trainers.cocktail import Cocktail, CocktailConfig
-from trainers.diloco import DiLoCo, DiLoCoConfig
-from trainers.dilocox import DiLoCoX, DiLoCoXConfig
-from trainers.local import Local, LocalConfig
-from trainers.method import Method, MethodContext
+if TYPE_CHECKING:
+    from trainers.method import Method, MethodContext
 
-METHODS: dict[str, tuple[type, type[Method]]] = {
-    "allreduce": (AllReduceConfig, AllReduce),
-    "opendiloco": (DiLoCoConfig, DiLoCo),
-    "cocktail": (CocktailConfig, Cocktail),
-    "dilocox": (DiLoCoXConfig, DiLoCoX),
-    "local": (LocalConfig, Local),
+METHODS: dict[str, str] = {
+    "allreduce": "trainers.allreduce:AllReduce",
+    "opendiloco": "trainers.opendiloco:OpenDiLoCo",
+    "cocktail": "trainers.cocktail:Cocktail",
+    "dilocox": "trainers.dilocox:DiLoCoX",
+    "local": "trainers.local:Local",
 }
 
 
@@ -25,11 +27,21 @@ def method_names() -> list[str]:
     return list(METHODS)
 
 
-def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
-    """The validated config of method `name`; options that the method does not have are refused by name."""
+def method_class(name: str) -> type[Method]:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
-    config_cls, _ = METHODS[name]
+    module, _, cls = METHODS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def option_names(name: str) -> frozenset[str]:
+    """The settings method `name` takes (its config's fields)."""
+    return frozenset(f.name for f in dataclasses.fields(method_class(name).config_class))
+
+
+def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
+    """The validated config of method `name`; options that the method does not have are refused by name."""
+    config_cls = method_class(name).config_class
     # None means "not set"; the string "none" is how a user turns an optional setting off (e.g. --bits none).
     options = {k: None if v == "none" else v for k, v in (options or {}).items() if v is not None}
     fields = {f.name for f in dataclasses.fields(config_cls)}
@@ -44,4 +56,4 @@ def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
 
 
 def build_method(name: str, config: Any, ctx: MethodContext) -> Method:
-    return METHODS[name][1](ctx, config)
+    return method_class(name)(ctx, config)

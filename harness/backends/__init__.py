@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from harness.errors import UserError
 from harness.profiles import Profile
 from harness.topology import Topology
 
@@ -50,4 +51,4 @@ def make_backend(name: str, run_key: str, topology: Topology, profile: Profile, 
         from harness.backends.docker import DockerCluster
 
         return DockerCluster(run_key, topology, profile, gpus)
-    raise ValueError(f"backend {name!r} is not available; use --backend netns or --backend docker")
+    raise UserError(f"backend {name!r} is not available; use --backend netns or --backend docker")

@@ -38,7 +38,8 @@ from docker.types import DeviceRequest
 from pyroute2 import IPRoute, NetNS
 
 import harness
-from harness.metrics import interface_counters
+from harness.counters import interface_counters
+from harness.errors import UserError
 from harness.profiles import Profile
 from harness.shaping import apply_link_spec, read_qdiscs
 from harness.topology import Topology
@@ -76,9 +77,9 @@ def parse_gpus(spec: str, world_size: int, nvidia_runtime: bool) -> list[str | N
         return [str(rank) for rank in range(world_size)]
     ids = [part.strip() for part in spec.split(",")]
     if not all(part.isdigit() for part in ids):
-        raise ValueError(f"--gpus {spec!r} is not understood; use auto, none or GPU ids like 0,1,2,3")
+        raise UserError(f"--gpus {spec!r} is not understood; use auto, none or GPU ids like 0,1,2,3")
     if len(ids) < world_size:
-        raise ValueError(f"--gpus {spec} names {len(ids)} GPU(s) for {world_size} ranks; list one GPU per rank")
+        raise UserError(f"--gpus {spec} names {len(ids)} GPU(s) for {world_size} ranks; list one GPU per rank")
     return ids[:world_size]
 
 
@@ -109,7 +110,7 @@ def unavailable_reason(world_size: int, gpus: str = "auto") -> str | None:
         client.close()
     try:
         parse_gpus(gpus, world_size, "nvidia" in info.get("Runtimes", {}))
-    except ValueError as err:
+    except UserError as err:
         return str(err)
     return None
 
@@ -301,7 +302,7 @@ class DockerCluster:
             **env,
             # The engine chose the addresses (so runs never collide on the host): rank 0 listens on cluster 0's.
             "MASTER_ADDR": self._master_address,
-            # Bind every collective to the shaped uplink; NCCL must not find a faster path around it (DESIGN.md).
+            # Bind every collective to the shaped uplink; NCCL must not find a faster path around it (ARCHITECTURE.md).
             "GLOO_SOCKET_IFNAME": UPLINK,
             "NCCL_SOCKET_IFNAME": UPLINK,
             "NCCL_P2P_DISABLE": "1",

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from pyroute2 import NetNS, netns
 
-from harness.metrics import interface_counters
+from harness.counters import interface_counters
+from harness.errors import UserError
 from harness.profiles import Profile
 from harness.shaping import apply_link_spec, read_qdiscs
 from harness.topology import Topology
@@ -36,7 +37,7 @@ REEXEC_MARK = "HARNESS_IN_USERNS"
 OWN_NETNS = re.compile(r"^(hx[0-9a-f]{6})-(sw|c[0-9]+)$")
 
 
-class PrivilegeError(RuntimeError):
+class PrivilegeError(UserError):
     """Neither root nor user namespaces: the netns backend cannot create its namespaces."""
 
 
@@ -161,7 +162,7 @@ class NetnsCluster:
         env = {
             **os.environ,
             **env,
-            # Bind every collective to the shaped uplink; NCCL must not find a faster path around it (DESIGN.md).
+            # Bind every collective to the shaped uplink; NCCL must not find a faster path around it (ARCHITECTURE.md).
             "GLOO_SOCKET_IFNAME": uplink,
             "NCCL_SOCKET_IFNAME": uplink,
             "NCCL_P2P_DISABLE": "1",

@@ -23,6 +23,7 @@ import harness.cli as cli
 import harness.config
 import harness.runner as runner
 from harness.backends import netns as netns_backend
+from harness.errors import UserError
 from harness.config import RunConfig
 from harness.profiles import known_profiles, load_profile
 from harness.shaping import probe_qdiscs
@@ -74,7 +75,7 @@ def harness_cli(tmp_path, monkeypatch):
         raise RunStarted("validation passed and the run started")
 
     monkeypatch.setattr(runner, "run", started)
-    monkeypatch.setattr(cli, "reexec_in_user_namespace", started)
+    monkeypatch.setattr(netns_backend, "reexec_in_user_namespace", started)
 
     def invoke(args: list[str]) -> tuple[Result, dict, dict]:
         before = host_state(tmp_path)
@@ -272,7 +273,7 @@ def test_bad_input_error_is_one_line(case, harness_cli, tmp_path, monkeypatch):
 
 def test_good_input_reaches_the_run_and_creates_nothing_before(harness_cli, tmp_path, monkeypatch):
     """The control: the same harness accepts good input, so the refusals above are about the input."""
-    monkeypatch.setattr(cli, "needs_reexec", lambda: False)
+    monkeypatch.setattr(netns_backend, "needs_reexec", lambda: False)
     result, before, after = harness_cli(["run", "--profile", "1gbps", "--steps", "3", "--out", str(tmp_path / "o")])
     assert isinstance(result.exception, RunStarted), result.output
     assert after == before
@@ -281,7 +282,7 @@ def test_good_input_reaches_the_run_and_creates_nothing_before(harness_cli, tmp_
 def test_method_option_that_does_not_apply(harness_cli, tmp_path, monkeypatch):
     """A flag generated from another method's config is refused for this method, by name."""
     options = cli._method_options()
-    methods = list(cli.METHODS)
+    methods = cli.method_names()
     foreign = [
         (name, method, kind, defaults)
         for name, (kind, defaults) in sorted(options.items())
@@ -300,7 +301,7 @@ def test_method_option_that_does_not_apply(harness_cli, tmp_path, monkeypatch):
 def test_validate_refuses_an_option_the_method_lacks(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = RunConfig(method="allreduce", profile=load_profile("1gbps"), method_options={"local_steps": 5})
-    with pytest.raises(runner.RunError) as err:
+    with pytest.raises(UserError) as err:
         runner.validate(config, tmp_path / "out")
     assert "--local-steps does not apply to method 'allreduce'" in str(err.value)
     assert list(tmp_path.iterdir()) == []

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from harness.errors import UserError
 from harness.topology import DEFAULT_SUBNET, Topology
 
 
@@ -81,19 +82,19 @@ def test_custom_subnet():
 
 @pytest.mark.parametrize("clusters", [0, -1])
 def test_clusters_below_one_raise(clusters):
-    with pytest.raises(ValueError, match=f"--clusters must be at least 1, got {clusters}"):
+    with pytest.raises(UserError, match=f"--clusters must be at least 1, got {clusters}"):
         Topology(clusters)
 
 
 @pytest.mark.parametrize("stages", [0, -2])
 def test_stages_below_one_raise(stages):
-    with pytest.raises(ValueError, match=f"--stages must be at least 1, got {stages}"):
+    with pytest.raises(UserError, match=f"--stages must be at least 1, got {stages}"):
         Topology(2, stages)
 
 
 @pytest.mark.parametrize(("clusters", "subnet"), [(255, DEFAULT_SUBNET), (1000, DEFAULT_SUBNET), (7, "10.0.0.0/29")])
 def test_too_many_clusters_for_the_subnet_raise(clusters, subnet):
-    with pytest.raises(ValueError, match=f"--clusters {clusters} does not fit in subnet {subnet}; use fewer"):
+    with pytest.raises(UserError, match=f"--clusters {clusters} does not fit in subnet {subnet}; use fewer"):
         Topology(clusters, subnet=subnet)
 
 

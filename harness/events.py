@@ -1,8 +1,7 @@
-"""Per-rank JSONL events and the kernel's wire-byte counters.
+"""Per-rank JSONL events: what each rank did, one JSON object per line.
 
-Each rank appends one JSON object per line to events/rank<R>.jsonl and flushes it, so a run that dies keeps every
-event written before it died. Wire bytes come from the kernel's interface counters (netlink IFLA_STATS64), read in
-the namespace that holds the interface: they count every byte that really crossed the link, headers included.
+Each rank appends one event per line to events/rank<R>.jsonl and flushes it, so a run that dies keeps every event
+written before it died.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-from pyroute2 import IPRoute
 
 
 class EventWriter:
@@ -61,24 +58,3 @@ class EventTail:
         for line in lines:
             if line:
                 yield json.loads(line)
-
-
-def interface_counters(ip: IPRoute, ifname: str) -> tuple[int, int]:
-    """(tx_bytes, rx_bytes) of `ifname` as the kernel counts them, seen through `ip` (an IPRoute or NetNS)."""
-    (link,) = ip.get_links(ifname=ifname)
-    stats = link.get_attr("IFLA_STATS64")
-    return stats["tx_bytes"], stats["rx_bytes"]
-
-
-class LinkCounter:
-    """Bytes this namespace has sent on its uplink; read by the worker inside the cluster's namespace."""
-
-    def __init__(self, ifname: str):
-        self.ifname = ifname
-        self._ip = IPRoute()
-
-    def tx_bytes(self) -> int:
-        return interface_counters(self._ip, self.ifname)[0]
-
-    def close(self) -> None:
-        self._ip.close()

@@ -16,21 +16,18 @@ pseudo-gradient, so H and the outer learning rate mean the same at every cluster
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
-from trainers.compression import CastDtype
-from trainers.method import Method, MethodContext, SyncReport, copy_into, swapped_in
-from trainers.optim import InnerOptimizer, optimizer_state_bytes, outer_optimizer, validate_outer
-
-_WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+from trainers.compression import CAST_DTYPES, CastDtype
+from trainers.method import Method, MethodContext, SyncReport, copy_into
+from trainers.optim import OuterOptimizer, validate_outer
 
 
 @dataclass(frozen=True)
-class DiLoCoConfig:
+class OpenDiLoCoConfig:
     """OpenDiLoCo's published settings; benchmarks on small models use a much smaller H."""
 
     local_steps: int = 500
@@ -40,22 +37,19 @@ class DiLoCoConfig:
 
     def __post_init__(self) -> None:
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
-        if self.pseudo_grad_dtype not in _WIRE_DTYPES:
+        if self.pseudo_grad_dtype not in CAST_DTYPES:
             raise ValueError(
-                f"--pseudo-grad-dtype must be one of {', '.join(_WIRE_DTYPES)}, got {self.pseudo_grad_dtype!r}"
+                f"--pseudo-grad-dtype must be one of {', '.join(CAST_DTYPES)}, got {self.pseudo_grad_dtype!r}"
             )
 
 
-class DiLoCo(Method):
-    def __init__(self, ctx: MethodContext, cfg: DiLoCoConfig):
-        self.ctx = ctx
-        self.cfg = cfg
-        self.params = ctx.params
-        self.inner = InnerOptimizer(self.params, ctx.optim, ctx.total_steps, ctx.pipeline_group)
-        # The fp32 master copy the outer optimizer updates. Replicas start from identical weights (same
-        # seed), so copying the local model makes it identical on every replica without a broadcast.
-        self.global_params = [p.detach().clone().float() for p in self.params]
-        self.outer_optimizer = outer_optimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
+class OpenDiLoCo(Method):
+    config_class = OpenDiLoCoConfig
+    keeps_global_copy = True
+
+    def __init__(self, ctx: MethodContext, cfg: OpenDiLoCoConfig):
+        super().__init__(ctx, cfg)
+        self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
 
     def step(self, step: int) -> SyncReport | None:
         self.inner.step()
@@ -68,33 +62,17 @@ class DiLoCo(Method):
         pseudo_grads = [g - p for g, p in zip(self.global_params, self.params, strict=True)]
         # One flat bucket, cast before the all-reduce so the link carries pseudo_grad_dtype: gloo and NCCL sum
         # fp16 and bf16 natively. The sum is taken in the wire dtype, as OpenDiLoCo's fp16 all-reduce does.
-        wire = flatten(pseudo_grads).to(_WIRE_DTYPES[self.cfg.pseudo_grad_dtype])
+        wire = flatten(pseudo_grads).to(CAST_DTYPES[self.cfg.pseudo_grad_dtype])
         inflight = all_reduce_sum(wire, self.ctx.data_parallel_group)
         blocked_s, _ = inflight.wait()
         averaged = wire.float() / self.ctx.replicas
         unflatten_into(averaged, pseudo_grads)
 
-        for global_param, pseudo_grad in zip(self.global_params, pseudo_grads, strict=True):
-            global_param.grad = pseudo_grad
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
+        self.outer.step(pseudo_grads)
         copy_into(self.global_params, self.params)
         fields = {"pseudo_grad_norm": averaged.norm().item(), "local_steps": self.cfg.local_steps}
         return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s, fields=fields)
 
-    def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
-        return swapped_in(self.params, self.global_params)
-
     def optimizer_state_bytes(self) -> int:
-        """Inner AdamW moments plus outer state: the momentum buffer and the theta_global master copy.
-
-        theta_global counts as outer state because it exists only for the outer optimizer; a plain
-        data-parallel run would not hold it.
-        """
-        outer_bytes = optimizer_state_bytes(self.outer_optimizer)
-        outer_bytes += sum(g.numel() * g.element_size() for g in self.global_params)
-        return self.inner.state_bytes() + outer_bytes
-
-    @property
-    def lr(self) -> float:
-        return self.inner.lr
+        """Inner AdamW moments, theta_global and the outer momentum buffer."""
+        return super().optimizer_state_bytes() + self.outer.state_bytes()

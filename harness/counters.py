@@ -1,0 +1,30 @@
+"""The kernel's interface counters: the bytes that really crossed a link.
+
+Read through netlink (IFLA_STATS64) in the namespace that holds the interface; they count every byte on the wire,
+headers included.
+"""
+
+from __future__ import annotations
+
+from pyroute2 import IPRoute
+
+
+def interface_counters(ip: IPRoute, ifname: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of `ifname` as the kernel counts them, seen through `ip` (an IPRoute or NetNS)."""
+    (link,) = ip.get_links(ifname=ifname)
+    stats = link.get_attr("IFLA_STATS64")
+    return stats["tx_bytes"], stats["rx_bytes"]
+
+
+class LinkCounter:
+    """Bytes this namespace has sent on its uplink; read by the worker inside the cluster's namespace."""
+
+    def __init__(self, ifname: str):
+        self.ifname = ifname
+        self._ip = IPRoute()
+
+    def tx_bytes(self) -> int:
+        return interface_counters(self._ip, self.ifname)[0]
+
+    def close(self) -> None:
+        self._ip.close()
