@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import types
 import typing
@@ -145,9 +146,10 @@ def main() -> None:
 
 
 def _reexec_if_unprivileged() -> None:
-    from harness.backends.netns import REEXEC_MARK, needs_reexec, reexec_in_user_namespace
+    from harness.backends.netns import REEXEC_MARK, die_with_outer_harness, needs_reexec, reexec_in_user_namespace
 
     if os.environ.get(REEXEC_MARK):
+        die_with_outer_harness()
         return
     if needs_reexec():
         sys.exit(reexec_in_user_namespace(sys.argv[1:]))
@@ -296,10 +298,25 @@ def run(method, profile, clusters, stages, out, calibrate, backend, gpus, **sett
     validate(config, out)
     _reexec_if_unprivileged()
     progress, update = _progress_display()
+    _signals_belong_to_the_run()
     with progress:
         summary = run_benchmark(config, out, on_progress=update)
     _print_summary(summary)
-    sys.exit(0 if summary["status"] == "ok" else 1)
+    sys.exit(_exit_code(summary))
+
+
+def _exit_code(summary: dict[str, Any]) -> int:
+    """0 ok, 1 failed; a run stopped by a signal exits as the shell expects (128 + N: 130 for Ctrl-C)."""
+    if not summary.get("interrupted_by"):
+        return 0 if summary["status"] == "ok" else 1
+    return 128 + signal.Signals[summary["interrupted_by"]].value
+
+
+def _signals_belong_to_the_run() -> None:
+    """From here on SIGINT and SIGTERM are the runner's: it stops the run at the first and tears down; any that
+    come after the run returns, while the summary prints, are ignored rather than turned into a traceback."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 @main.command()

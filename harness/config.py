@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -18,6 +20,20 @@ from harness.errors import UserError
 from harness.profiles import LinkSpec, Profile, check_shapeable, load_profile
 from harness.topology import Topology
 from trainers.config import OptimConfig, TrainConfig
+
+
+def default_collective_timeout_s() -> float:
+    """300 s, or HARNESS_TIMEOUT_S: long enough for one all-reduce on the slowest link a sweep uses."""
+    text = os.environ.get("HARNESS_TIMEOUT_S", "300")
+    try:
+        timeout_s = float(text)
+    except ValueError:
+        timeout_s = math.nan
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise UserError(
+            f"HARNESS_TIMEOUT_S={text!r} is not a positive number of seconds; set it to e.g. 600 or unset it"
+        )
+    return timeout_s
 
 
 def check_method_options(method: str, options: dict[str, Any]) -> None:
@@ -43,6 +59,9 @@ class RunConfig:
     gpus: str = "auto"
     mode: Literal["train", "calibrate"] = "train"
     calibrate: bool = False
+    # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
+    # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
+    collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
     # Short, unique and safe in interface names (15 characters at most): it prefixes every kernel object a run makes.
     run_key: str = field(default_factory=lambda: "hx" + secrets.token_hex(3))
     run_id: str = ""
@@ -101,6 +120,7 @@ class RunConfig:
         gpus: str = "auto",
         mode: Literal["train", "calibrate"] = "train",
         calibrate: bool = False,
+        collective_timeout_s: float | None = None,
         **settings: Any,
     ) -> RunConfig:
         """A run from flat settings, as the CLI and sweeps have them.
@@ -126,6 +146,7 @@ class RunConfig:
             stages=stages,
             mode=mode,
             calibrate=calibrate,
+            **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
         )
 
     @classmethod

@@ -38,7 +38,7 @@ class RunError(UserError):
 
 
 class Interrupted(Exception):
-    """SIGINT or SIGTERM reached the harness."""
+    """SIGINT or SIGTERM reached the harness (the first of them: later ones are only recorded)."""
 
 
 def validate(config: RunConfig, out: Path | None) -> RunFolder:
@@ -64,18 +64,43 @@ def validate(config: RunConfig, out: Path | None) -> RunFolder:
     return folder
 
 
-_RUNNER_PID = os.getpid()
+# The watchdog: a run whose ranks log nothing for max(collective timeout, this many x the slowest step so far) is
+# stuck (a stopped or wedged rank that no collective timeout catches, e.g. SIGSTOP) and is failed.
+STALL_STEP_FACTOR = 10
+# How often the watcher polls the ranks and their events, and how often it checks that the cluster is still there.
+POLL_S = 0.25
+INTACT_CHECK_S = 2.0
 
 
-def _raise_interrupted(signum: int, frame: Any) -> None:
-    # pyroute2 forks helpers into namespaces; they inherit this handler and must just die, not finalize the run.
-    if os.getpid() != _RUNNER_PID:
-        os._exit(128 + signum)
-    raise Interrupted(signal.Signals(signum).name)
+class _Signals:
+    """SIGINT and SIGTERM during a run: the first one interrupts it; every later one is only recorded, so teardown
+    (stopping workers, removing the cluster, writing the summary) cannot be cut short by a user pressing Ctrl-C
+    again and again."""
+
+    def __init__(self) -> None:
+        self.runner_pid = os.getpid()
+        self.received: list[str] = []
+        self.tearing_down = False
+
+    def __enter__(self) -> _Signals:
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # pyroute2 forks helpers into namespaces; they inherit this handler and must just die, not finalize the run.
+        if os.getpid() != self.runner_pid:
+            os._exit(128 + signum)
+        self.received.append(signal.Signals(signum).name)
+        if len(self.received) == 1 and not self.tearing_down:
+            raise Interrupted(self.received[0])
 
 
 def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> str:
-    where = f"rank {rank} (cluster {topology.cluster_of(rank)}, stage {topology.stage_of(rank)})"
+    where = _where(rank, topology)
     if code < 0:
         return f"{where} was killed by {signal.Signals(-code).name}"
     errors = [e for e in read_events(run_dir / "events" / f"rank{rank}.jsonl") if e["kind"] == "error"]
@@ -83,66 +108,105 @@ def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> s
     return f"{where} exited with code {code}{reason}"
 
 
+def _where(rank: int, topology: Topology) -> str:
+    return f"rank {rank} (cluster {topology.cluster_of(rank)}, stage {topology.stage_of(rank)})"
+
+
 def run(
     config: RunConfig, out: Path | None = None, on_progress: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """Run one benchmark; returns summary.json's content (with "results_dir")."""
+    """Run one benchmark; returns summary.json's content (with "results_dir").
+
+    `summary["interrupted_by"]` names the signal (SIGINT, SIGTERM) that stopped the run, if one did.
+    """
     folder = validate(config, out)
     topology = Topology(config.clusters, config.stages)
     cluster = make_backend(config.backend, config.run_key, topology, config.profile, config.gpus)
-    run_dir = folder.create()
-    config.save(run_dir / "config.json")
-    (run_dir / "logs").mkdir()
     procs: dict[int, Worker] = {}
     failure: str | None = None
     record: dict[str, Any] = {}
     qdiscs: list[dict] = []
-    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        cluster.up()
-        record["cluster_setup_s"] = cluster.setup_s
-        qdiscs = cluster.kernel_qdiscs()
-        wire_before = cluster.wire_bytes()
-        for rank in range(topology.world_size):
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(topology.world_size),
-                "MASTER_ADDR": topology.master_address,
-                "MASTER_PORT": str(MASTER_PORT),
-                "PYTHONUNBUFFERED": "1",
-            }
-            argv = [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)]
-            procs[rank] = cluster.spawn(rank, argv, env, run_dir / "logs" / f"rank{rank}.log")
-        failure = _watch(procs, topology, run_dir, config, cluster, on_progress)
-        record["wire_bytes_run"] = cluster.wire_bytes() - wire_before
-    except Interrupted as sig:
-        failure = f"interrupted by {sig} during the run"
-    except Exception as err:
-        failure = f"harness error: {type(err).__name__}: {err}"
-        raise
-    finally:
+    run_dir = folder.create()
+    with _Signals() as signals:
         try:
-            _stop(procs)
-            cluster.down()
-            record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
-            summary = summarize(config, run_dir, failure, record)
-            folder.write_json(
-                "environment.json",
-                environment(
-                    {
-                        "backend": config.backend,
-                        "applied_qdiscs": cluster.applied_qdiscs,
-                        "kernel_qdiscs": qdiscs,
-                    }
-                ),
-            )
-            folder.write_json("summary.json", summary)
-            final = folder.commit()
+            config.save(run_dir / "config.json")
+            (run_dir / "logs").mkdir()
+            cluster.up()
+            record["cluster_setup_s"] = cluster.setup_s
+            qdiscs = cluster.kernel_qdiscs()
+            wire = _WireMeter(cluster)
+            for rank in range(topology.world_size):
+                env = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(topology.world_size),
+                    "MASTER_ADDR": topology.master_address,
+                    "MASTER_PORT": str(MASTER_PORT),
+                    "PYTHONUNBUFFERED": "1",
+                }
+                argv = [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)]
+                procs[rank] = cluster.spawn(rank, argv, env, run_dir / "logs" / f"rank{rank}.log")
+            failure = _watch(procs, topology, run_dir, config, wire, on_progress)
+            if failure is None:
+                record["wire_bytes_run"] = wire.total()
+        except Interrupted as sig:
+            failure = f"interrupted by {sig} during the run"
+        except BackendVanished as err:
+            failure = str(err)
+        except Exception as err:
+            failure = f"harness error: {type(err).__name__}: {err}"
+            raise
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+            signals.tearing_down = True
+            record["interrupted_by"] = signals.received[0] if signals.received else None
+            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs)
     summary["results_dir"] = str(final)
     return summary
+
+
+def _teardown(config, folder, cluster, procs, failure, record, qdiscs) -> tuple[dict[str, Any], Path]:
+    """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
+    teardown_errors = []
+    for what, step in (("stopping the workers", lambda: _stop(procs)), ("removing the cluster", cluster.down)):
+        try:
+            step()
+        except Exception as err:
+            teardown_errors.append(f"{what}: {type(err).__name__}: {err}")
+    if teardown_errors and failure is None:
+        failure = "teardown failed: " + "; ".join(teardown_errors)
+    record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
+    summary = summarize(config, folder.staging, failure, record)
+    summary["teardown_errors"] = teardown_errors
+    folder.write_json(
+        "environment.json",
+        environment({"backend": config.backend, "applied_qdiscs": cluster.applied_qdiscs, "kernel_qdiscs": qdiscs}),
+    )
+    folder.write_json("summary.json", summary)
+    return summary, folder.commit()
+
+
+class BackendVanished(Exception):
+    """Part of the emulated cluster disappeared under the run; the message says which."""
+
+
+class _WireMeter:
+    """The backend's wire counter since the start of the run; a counter that cannot be read because its namespace
+    or container disappeared is reported as that, not as a traceback."""
+
+    def __init__(self, cluster: ClusterBackend):
+        self.cluster = cluster
+        self.start = self.read()
+
+    def read(self) -> int:
+        try:
+            return self.cluster.wire_bytes()
+        except Exception:
+            gone = self.cluster.vanished()
+            if gone:
+                raise BackendVanished(gone) from None
+            raise
+
+    def total(self) -> int:
+        return self.read() - self.start
 
 
 def _watch(
@@ -150,30 +214,49 @@ def _watch(
     topology: Topology,
     run_dir: Path,
     config: RunConfig,
-    cluster: ClusterBackend,
+    wire: _WireMeter,
     on_progress: Callable[[dict[str, Any]], None] | None,
 ) -> str | None:
-    """Wait for every rank; a rank that fails fails the run (the others would hang in collectives)."""
-    tail = EventTail(run_dir / "events" / f"rank{topology.world_size - 1}.jsonl")
-    last_wire, last_t = cluster.wire_bytes(), time.monotonic()
+    """Wait for every rank; a rank that fails fails the run (the others would hang in collectives), and so does a
+    run that makes no progress (the watchdog) or whose cluster disappears."""
+    tails = {rank: EventTail(run_dir / "events" / f"rank{rank}.jsonl") for rank in procs}
+    last_event_at = dict.fromkeys(procs, time.monotonic())
+    steps_logged = dict.fromkeys(procs, 0)
+    slowest_step_s = 0.0
+    last_wire, last_t = wire.read(), time.monotonic()
+    last_intact_check = last_t
     latest: dict[str, Any] = {}
     while True:
         if any(p.poll() not in (None, 0) for p in procs.values()):
             return _first_failure(procs, topology, run_dir)
         if all(p.poll() == 0 for p in procs.values()):
             return None
-        time.sleep(0.25)
+        time.sleep(POLL_S)
+        now = time.monotonic()
+        for rank, tail in tails.items():
+            for event in tail:
+                last_event_at[rank] = now
+                if event["kind"] == "step":
+                    steps_logged[rank] += 1
+                    slowest_step_s = max(slowest_step_s, event["step_s"])
+                    if rank == topology.world_size - 1:
+                        latest.update(event)
+                elif event["kind"] == "eval" and rank == topology.world_size - 1:
+                    latest["val_loss"] = event["val_loss"]
+        if now - last_intact_check >= INTACT_CHECK_S:
+            last_intact_check = now
+            gone = wire.cluster.vanished()
+            if gone:
+                raise BackendVanished(gone)
+        stall_s = max(config.collective_timeout_s, STALL_STEP_FACTOR * slowest_step_s)
+        if now - max(last_event_at.values()) > stall_s:
+            return _stalled(procs, topology, steps_logged, now - max(last_event_at.values()))
         if on_progress is None:
             continue
-        for event in tail:
-            if event["kind"] == "step":
-                latest.update(event)
-            elif event["kind"] == "eval":
-                latest["val_loss"] = event["val_loss"]
-        now, wire = time.monotonic(), cluster.wire_bytes()
+        total = wire.read()
         rate = config.profile.inter_cluster.rate_bps
-        link_bps = (wire - last_wire) * 8 / max(now - last_t, 1e-6)
-        last_wire, last_t = wire, now
+        link_bps = (total - last_wire) * 8 / max(now - last_t, 1e-6)
+        last_wire, last_t = total, now
         on_progress(
             {
                 **latest,
@@ -183,6 +266,30 @@ def _watch(
                 "link": format_rate(rate) if rate else "unshaped",
             }
         )
+
+
+def _stopped(proc: Worker) -> bool:
+    """Whether the kernel has the worker's process stopped (SIGSTOP, a debugger): state T or t in /proc."""
+    pid = getattr(proc, "pid", None)
+    if pid is None:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+def _stalled(procs: dict[int, Worker], topology: Topology, steps_logged: dict[int, int], idle_s: float) -> str:
+    """Name the rank that holds the others up: a stopped process if there is one, else the one furthest behind."""
+    stopped = [rank for rank, proc in procs.items() if _stopped(proc)]
+    if stopped:
+        return f"{_where(stopped[0], topology)} made no progress for {idle_s:.0f} s: its process is stopped"
+    behind = min(procs, key=lambda rank: (steps_logged[rank], rank))
+    return (
+        f"no rank made progress for {idle_s:.0f} s (watchdog: max(collective timeout, {STALL_STEP_FACTOR} x the "
+        f"slowest step)); {_where(behind, topology)} logged the fewest steps ({steps_logged[behind]})"
+    )
 
 
 def _first_failure(procs: dict[int, Worker], topology: Topology, run_dir: Path) -> str:

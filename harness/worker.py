@@ -7,7 +7,6 @@ runs under the harness's backends and under torchrun on real hosts. The run's co
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -24,18 +23,16 @@ import torch.distributed as dist
 from harness.config import RunConfig
 from harness.counters import LinkCounter
 from harness.events import EventWriter
+from harness.process import set_parent_death_signal
 from harness.topology import Topology
 from trainers.comm import allreduce_payload_bytes
 from trainers.registry import method_config
 from trainers.train import ParallelContext, train
 
-PR_SET_PDEATHSIG = 1
-
 
 def _die_with_parent() -> None:
     """Ask the kernel to kill this worker if the harness dies, even by SIGKILL, so no rank outlives its run."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    set_parent_death_signal(signal.SIGKILL)
     if os.getppid() == 1:
         sys.exit("harness exited before this worker started")
 
@@ -126,7 +123,8 @@ def _with_fault(log: EventWriter, rank: int, spec: str):
     def log_then_fail(event: dict) -> None:
         log(event)
         if rank == fault_rank and event.get("kind") == "step" and event["step"] == fault_step:
-            raise RuntimeError(f"injected fault (HARNESS_FAULT={spec})")
+            # Shaped like gloo's errors, which open with "[/path/pair.cc:NNN]": failure text must print as text.
+            raise RuntimeError(f"[/harness/worker.py:fault] injected fault (HARNESS_FAULT={spec})")
 
     return log_then_fail
 
@@ -149,7 +147,7 @@ def main() -> int:
             backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=int(os.environ.get("HARNESS_TIMEOUT_S", 300))),
+            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
         )
         par = build_groups(topology, rank, device)
         if os.environ.get("HARNESS_FAULT"):

@@ -36,6 +36,9 @@ class ClusterBackend(Protocol):
     def wire_bytes(self) -> int:
         """Bytes sent so far by all clusters onto the inter-cluster links, from the kernel's counters."""
 
+    def vanished(self) -> str | None:
+        """What of the cluster disappeared under the run (a namespace, a container), in words; None when intact."""
+
     def spawn(self, rank: int, argv: list[str], env: dict[str, str], log_path: Path) -> Worker:
         """Start rank `rank` running `argv` (the worker) with `env` (torchrun's variables) in its cluster."""
 

@@ -294,6 +294,17 @@ class DockerCluster:
         with IPRoute() as host:
             return sum(interface_counters(host, downlink)[1] for downlink in self._downlinks)
 
+    def vanished(self) -> str | None:
+        for c, container in enumerate(self._clusters):
+            try:
+                container.reload()
+                running = container.status == "running"
+            except docker.errors.NotFound:
+                running = False
+            if not running:
+                return f"the container holding cluster {c} ({container.name}) stopped or disappeared during the run"
+        return None
+
     def spawn(self, rank: int, argv: list[str], env: dict[str, str], log_path: Path) -> ContainerWorker:
         cluster = self._clusters[self.topology.cluster_of(rank)]
         run_dir = _run_dir(argv)

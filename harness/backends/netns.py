@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ from pyroute2 import NetNS, netns
 
 from harness.counters import interface_counters
 from harness.errors import UserError
+from harness.process import set_parent_death_signal
 from harness.profiles import Profile
 from harness.shaping import apply_link_spec, read_qdiscs
 from harness.topology import Topology
@@ -56,8 +58,12 @@ def user_namespaces_work() -> bool:
 
 
 def needs_reexec() -> bool:
-    """True when the harness must re-enter itself in a user namespace to build the cluster."""
-    if os.geteuid() == 0:
+    """True when the harness must re-enter itself in a user namespace to build the cluster.
+
+    HARNESS_USERNS=always takes that path as root too: the run then touches nothing of the host's network (its
+    namespaces live and die in a private one), and the unprivileged path can be tested where root is all there is.
+    """
+    if os.geteuid() == 0 and os.environ.get("HARNESS_USERNS") != "always":
         return False
     if not user_namespaces_work():
         raise PrivilegeError(
@@ -72,12 +78,38 @@ def reexec_in_user_namespace(argv: list[str]) -> int:
     """Run `harness <argv>` again as root of a fresh user, network and mount namespace; returns its exit code.
 
     /run/netns belongs to the real root, so a private tmpfs is mounted over it (or over /run when it is missing)
-    inside the new mount namespace; the host's /run is untouched.
+    inside the new mount namespace; the host's /run is untouched. SIGINT and SIGTERM sent to this process are
+    passed on to the inner harness, which tears its run down and exits; this process waits for it and exits with
+    its code. Should this process die anyway, the inner harness gets SIGTERM (see `die_with_outer_harness`).
     """
     mount = "mount -t tmpfs harness /run/netns 2>/dev/null || { mount -t tmpfs harness /run && mkdir -p /run/netns; }"
     command = f"{mount} && exec {shlex.join([sys.executable, '-m', 'harness.cli', *argv])}"
-    env = {**os.environ, REEXEC_MARK: "1"}
-    return subprocess.call(["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command], env=env)
+    env = {**os.environ, REEXEC_MARK: str(os.getpid())}
+    inner = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command], env=env)
+
+    def forward(signum: int, frame: object) -> None:
+        inner.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return inner.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def die_with_outer_harness() -> None:
+    """In the inner harness of a re-exec: SIGTERM when the outer one dies, so the run is torn down, not orphaned.
+
+    Set here rather than before the exec: entering a user namespace changes credentials, which clears the
+    parent-death signal.
+    """
+    outer = os.environ.get(REEXEC_MARK, "")
+    if not outer.isdigit():
+        return
+    set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != int(outer):
+        sys.exit("harness: the outer harness exited before this run started")
 
 
 class NetnsCluster:
@@ -155,6 +187,17 @@ class NetnsCluster:
         """Bytes the clusters have sent into the switch so far (each crossing byte counted once)."""
         with NetNS(self.switch_ns, flags=0) as sw:
             return sum(interface_counters(sw, self.downlink(c))[1] for c in range(self.topology.clusters))
+
+    def vanished(self) -> str | None:
+        names = [(f"the switch namespace {self.switch_ns}", self.switch_ns)]
+        names += [
+            (f"the namespace of cluster {c} ({self.cluster_ns(c)})", self.cluster_ns(c))
+            for c in range(self.topology.clusters)
+        ]
+        for what, name in names:
+            if not (NETNS_DIR / name).exists():
+                return f"{what} disappeared during the run (removed by another process)"
+        return None
 
     def spawn(self, rank: int, argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
         cluster = self.topology.cluster_of(rank)

@@ -23,8 +23,8 @@ import harness.cli as cli
 import harness.config
 import harness.runner as runner
 from harness.backends import netns as netns_backend
-from harness.errors import UserError
 from harness.config import RunConfig
+from harness.errors import UserError
 from harness.profiles import known_profiles, load_profile
 from harness.shaping import probe_qdiscs
 
@@ -37,7 +37,6 @@ KERNEL_MADE = re.compile(r"ifb\d+")
 # runs that other tests or users may have going at the same time.
 TEST_KEY_HEX = "7e57ed"
 OTHER_RUN = re.compile(rf"hx(?!{TEST_KEY_HEX})[0-9a-f]{{6}}")
-
 
 
 class RunStarted(Exception):

@@ -1,8 +1,9 @@
 """Real runs with --backend docker: train, measure, fail, and leave no container, network or namespace behind.
 
 Needs root and a docker engine (.ci/run installs Debian's docker.io and starts dockerd, which turns on ip_forward,
-sets the FORWARD policy to DROP and adds docker0 on the host). Without one the whole module is skipped, with the
-reason shown by `pytest -rs`. The development image is built here if missing (scripts/dev-image.sh, about a second).
+sets the FORWARD policy to DROP and adds docker0 on the host). Without one every test that needs it is skipped, with
+the reason shown by `pytest -rs`. The development image is built if missing (scripts/dev-image.sh, about a second).
+All of that happens in the `client` fixture, once per module: collecting this module only imports it.
 """
 
 from __future__ import annotations
@@ -12,35 +13,42 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from harness.errors import UserError
+from tests.harness.e2e import SMALL_RUN, harness, run_marker, summary_of, wait_for_steps
+from tests.harness.hoststate import leftovers, snapshot
+
+# The docker SDK is an optional dependency (pip install .[docker]); the backend module needs it to import.
+docker = pytest.importorskip("docker", reason="the docker SDK is not installed; pip install '.[docker]'")
+
+from harness.backends.docker import RUN_KEY_LABEL, cleanup, parse_gpus, unavailable_reason  # noqa: E402
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-
-if os.geteuid() != 0:
-    pytest.skip("the docker backend shapes from the host and needs root", allow_module_level=True)
-try:
-    import docker
-
-    CLIENT = docker.from_env(timeout=10)
-    CLIENT.ping()
-except Exception as err:  # ImportError, or the SDK's several types for "nothing answers"
-    pytest.skip(
-        f"no docker engine is reachable ({type(err).__name__}: {err}); install docker.io and start dockerd",
-        allow_module_level=True,
-    )
-
-from harness.backends.docker import RUN_KEY_LABEL, cleanup, parse_gpus, unavailable_reason  # noqa: E402
-from tests.harness.hoststate import leftovers, snapshot  # noqa: E402
-from tests.harness.test_run_e2e import SMALL_RUN, harness, run_marker, summary_of, wait_for_steps  # noqa: E402
-
-subprocess.run([REPO / "scripts" / "dev-image.sh"], check=True, capture_output=True)
-assert unavailable_reason(2) is None, unavailable_reason(2)
-
 DOCKER = ["--backend", "docker"]
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[docker.DockerClient]:
+    """A client of the engine, with the development image present; skips the test when there is no engine."""
+    if os.geteuid() != 0:
+        pytest.skip("the docker backend shapes from the host and needs root")
+    try:
+        engine = docker.from_env(timeout=10)
+        engine.ping()
+    except Exception as err:  # the SDK's several types for "nothing answers"
+        pytest.skip(f"no docker engine is reachable ({type(err).__name__}: {err}); install docker.io and start dockerd")
+    built = subprocess.run([REPO / "scripts" / "dev-image.sh"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout + built.stderr
+    reason = unavailable_reason(2)
+    assert reason is None, reason
+    yield engine
+    engine.close()
 
 
 def run_key_of(out: Path) -> str:
@@ -48,11 +56,11 @@ def run_key_of(out: Path) -> str:
     return json.loads((staged if staged.exists() else out / "config.json").read_text())["run_key"]
 
 
-def docker_leftovers(run_key: str) -> list[str]:
+def docker_leftovers(client: docker.DockerClient, run_key: str) -> list[str]:
     """Containers and networks carrying the run's label (stopped ones too)."""
     selector = {"label": f"{RUN_KEY_LABEL}={run_key}"}
-    return [c.name for c in CLIENT.containers.list(all=True, filters=selector)] + [
-        n.name for n in CLIENT.networks.list(filters=selector)
+    return [c.name for c in client.containers.list(all=True, filters=selector)] + [
+        n.name for n in client.networks.list(filters=selector)
     ]
 
 
@@ -69,9 +77,9 @@ def snapshot_all() -> dict:
     return {**snapshot(), "docker_netns": docker_netns()}
 
 
-def assert_nothing_left(before: dict, out: Path) -> None:
+def assert_nothing_left(client: docker.DockerClient, before: dict, out: Path) -> None:
     run_key = run_key_of(out)
-    assert docker_leftovers(run_key) == []
+    assert docker_leftovers(client, run_key) == []
     assert docker_netns() - before["docker_netns"] == set()
     found = leftovers(before, run_marker(out))
     # Other runs on this host come and go in /run/netns meanwhile; only this run's names count.
@@ -85,7 +93,7 @@ def step_losses(out: Path, rank: int) -> list[float]:
 
 
 @pytest.fixture
-def start_long_run():
+def start_long_run(client):
     """Starts 1000-step docker runs; whatever a test does, no harness or container of them outlives it."""
     started: list[subprocess.Popen] = []
 
@@ -105,7 +113,7 @@ def start_long_run():
             cleanup()
 
 
-def test_docker_run_trains_counts_its_bytes_and_leaves_nothing(tmp_path):
+def test_docker_run_trains_counts_its_bytes_and_leaves_nothing(tmp_path, client):
     before = snapshot_all()
     out = tmp_path / "docker-run"
     result = harness("run", *DOCKER, "--profile", "1gbps", "--steps", 60, *SMALL_RUN, "--out", out)
@@ -124,25 +132,25 @@ def test_docker_run_trains_counts_its_bytes_and_leaves_nothing(tmp_path):
     assert len(shaped) == 4 and all(q["rate_bps"] == 10**9 for q in shaped)
     run_key = run_key_of(out)
     assert {q["netns"] for q in shaped} == {"host", f"{run_key}-c0", f"{run_key}-c1"}
-    assert_nothing_left(before, out)
+    assert_nothing_left(client, before, out)
 
 
-def test_killed_rank_container_is_named_and_nothing_is_left(tmp_path, start_long_run):
+def test_killed_rank_container_is_named_and_nothing_is_left(tmp_path, client, start_long_run):
     before = snapshot_all()
     out = tmp_path / "docker-kill"
     proc = start_long_run(out)
     wait_for_steps(out, 1, 2, proc)
-    CLIENT.containers.get(f"{run_key_of(out)}-r1").kill()
+    client.containers.get(f"{run_key_of(out)}-r1").kill()
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, output
     summary = summary_of(out)
     assert summary["status"] == "failed"
     assert summary["failure"] == "rank 1 (cluster 1, stage 0) was killed by SIGKILL"
     assert summary["steps"] >= 2  # events written before the kill are kept
-    assert_nothing_left(before, out)
+    assert_nothing_left(client, before, out)
 
 
-def test_ctrl_c_removes_every_container_and_the_network(tmp_path, start_long_run):
+def test_ctrl_c_removes_every_container_and_the_network(tmp_path, client, start_long_run):
     before = snapshot_all()
     out = tmp_path / "docker-ctrl-c"
     proc = start_long_run(out)
@@ -152,10 +160,10 @@ def test_ctrl_c_removes_every_container_and_the_network(tmp_path, start_long_run
     assert proc.returncode == 1, output
     summary = summary_of(out)
     assert summary["status"] == "failed" and "SIGINT" in summary["failure"]
-    assert_nothing_left(before, out)
+    assert_nothing_left(client, before, out)
 
 
-def test_cleanup_removes_what_a_killed_harness_left(tmp_path, start_long_run):
+def test_cleanup_removes_what_a_killed_harness_left(tmp_path, client, start_long_run):
     """SIGKILL gives the harness no chance to tear down, and its ranks live on in their containers."""
     before = snapshot_all()
     out = tmp_path / "docker-orphans"
@@ -165,12 +173,13 @@ def test_cleanup_removes_what_a_killed_harness_left(tmp_path, start_long_run):
     assert cleanup(run_key) == []  # the harness still lives: its run is not touched
     proc.kill()
     proc.communicate()
-    left = sorted(docker_leftovers(run_key))
+    left = sorted(docker_leftovers(client, run_key))
     assert left == sorted([f"{run_key}-{name}" for name in ("net", "c0", "c1", "r0", "r1")])
     assert sorted(cleanup(run_key)) == left
-    assert_nothing_left(before, out)
+    assert_nothing_left(client, before, out)
 
 
+@pytest.mark.usefixtures("client")
 def test_same_seed_gives_the_same_losses_and_busbw_as_netns(tmp_path):
     runs = {}
     for backend in ("netns", "docker"):
@@ -190,6 +199,7 @@ def test_same_seed_gives_the_same_losses_and_busbw_as_netns(tmp_path):
     assert busbw["docker"] == pytest.approx(busbw["netns"], rel=0.10)
 
 
+@pytest.mark.usefixtures("client")
 @pytest.mark.parametrize(
     ("env", "fix"),
     [
@@ -209,7 +219,7 @@ def test_gpus_choose_one_gpu_per_rank():
     assert parse_gpus("auto", 2, nvidia_runtime=True) == ["0", "1"]
     assert parse_gpus("none", 2, nvidia_runtime=True) == [None, None]
     assert parse_gpus("3,1,2", 2, nvidia_runtime=True) == ["3", "1"]
-    with pytest.raises(ValueError, match="one GPU per rank"):
+    with pytest.raises(UserError, match="one GPU per rank"):
         parse_gpus("0", 2, nvidia_runtime=True)
-    with pytest.raises(ValueError, match="not understood"):
+    with pytest.raises(UserError, match="not understood"):
         parse_gpus("gpu0", 2, nvidia_runtime=True)

@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from harness.backends.netns import user_namespaces_work
+from tests.harness.e2e import HARNESS, SMALL_RUN, harness, rank_pid, run_marker, summary_of, wait_for_steps
 from tests.harness.hoststate import leftovers, snapshot, worker_pids
 
 pytestmark = pytest.mark.e2e
@@ -20,55 +19,11 @@ pytestmark = pytest.mark.e2e
 if os.geteuid() != 0 and not user_namespaces_work():
     pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)
 
-HARNESS = [sys.executable, "-m", "harness.cli"]
-SMALL_RUN = ["--model", "tiny", "--batch-size", "4", "--eval-every", "20"]
-
-
-def harness(*args: object, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*HARNESS, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def summary_of(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
-
-
-def wait_for_steps(out: Path, rank: int, steps: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    """Block until `rank` has logged `steps` steps in the run's (staging) folder."""
-    events = out.parent / f".{out.name}.partial" / "events" / f"rank{rank}.jsonl"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        if events.exists() and events.read_text().count('"kind": "step"') >= steps:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"rank {rank} logged fewer than {steps} steps in {timeout}s")
-
-
-def run_marker(out: Path) -> str:
-    """The staging folder every worker of this run has on its command line (--run-dir): unique to the run."""
-    return str(out.parent / f".{out.name}.partial")
-
-
-def rank_pid(out: Path, rank: int) -> int:
-    for pid in worker_pids(run_marker(out)):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"no worker process for rank {rank}")
-
 
 def test_allreduce_trains_and_counts_its_bytes_on_the_wire(tmp_path):
     before = snapshot()
     out = tmp_path / "run"
-    result = harness(
-        "run", "--profile", "1gbps", "--method", "allreduce", "--steps", 60, *SMALL_RUN, "--out", out
-    )
+    result = harness("run", "--profile", "1gbps", "--method", "allreduce", "--steps", 60, *SMALL_RUN, "--out", out)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
     assert summary["status"] == "ok" and summary["failure"] is None
@@ -110,9 +65,10 @@ def test_ctrl_c_during_training_fails_the_run_and_cleans_up(tmp_path):
     wait_for_steps(out, 0, 2, proc)
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1, output
+    assert proc.returncode == 130, output
     summary = summary_of(out)
     assert summary["status"] == "failed" and "SIGINT" in summary["failure"]
+    assert summary["interrupted_by"] == "SIGINT"
     assert summary["steps"] >= 2
     assert leftovers(before, run_marker(out)) == {}
 
@@ -141,14 +97,24 @@ def test_worker_that_raises_fails_the_run_with_its_error(tmp_path):
     before = snapshot()
     out = tmp_path / "run"
     result = harness(
-        "run", "--profile", "1gbps", "--steps", 50, *SMALL_RUN, "--out", out, env={"HARNESS_FAULT": "1:3"}
+        "run",
+        "--profile",
+        "1gbps",
+        "--steps",
+        50,
+        *SMALL_RUN,
+        "--out",
+        out,
+        env={"HARNESS_FAULT": "1:3", "COLUMNS": "300"},
     )
     assert result.returncode == 1
     summary = summary_of(out)
     assert summary["status"] == "failed"
     assert summary["failure"].startswith(
-        "rank 1 (cluster 1, stage 0) exited with code 1: RuntimeError: injected"
+        "rank 1 (cluster 1, stage 0) exited with code 1: RuntimeError: [/harness/worker.py:fault] injected"
     )
+    # Printed as text: rich would read "[/harness/...]" as a closing tag and fail.
+    assert "[/harness/worker.py:fault] injected" in result.stdout, result.stdout + result.stderr
     assert "Traceback" in (out / "logs" / "rank1.log").read_text()
     assert leftovers(before, run_marker(out)) == {}
 

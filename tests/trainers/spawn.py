@@ -21,6 +21,7 @@ def free_port() -> int:
 def _rank(rank: int, world: int, port: int, scenario, args: tuple, out_dir: Path) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
+    # A short timeout turns a deadlock (a pipeline schedule, a mismatched collective) into a failed test, not a hang.
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         torch.save(scenario(rank, *args), out_dir / f"rank{rank}.pt")
@@ -32,6 +33,10 @@ def _rank(rank: int, world: int, port: int, scenario, args: tuple, out_dir: Path
 
 
 def run_ranks(scenario, args: tuple, out_dir: Path, world: int = 2) -> list:
-    """Run `scenario(rank, *args)` on `world` ranks; returns what each rank returned, in rank order."""
+    """Run `scenario(rank, *args)` on `world` ranks; returns what each rank returned, in rank order.
+
+    `scenario` must be a module-level function (the ranks are spawned processes that import it) and runs inside
+    the default process group, so it can use `dist.group.WORLD`, `dist.get_world_size()` and `dist.new_group`.
+    """
     mp.spawn(_rank, args=(world, free_port(), scenario, args, out_dir), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]

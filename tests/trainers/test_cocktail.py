@@ -152,8 +152,9 @@ def test_the_update_of_step_t_lands_at_step_t_plus_1(tmp_path):
 def _payload_scenario(rank: int, warmup_steps: int, steps: int) -> dict:
     torch.manual_seed(0)
     model = DecoderLM(get_model_config("tiny"))
-    method = Cocktail(_context(list(model.named_parameters()), OptimConfig(), steps),
-                      CocktailConfig(warmup_steps=warmup_steps))
+    method = Cocktail(
+        _context(list(model.named_parameters()), OptimConfig(), steps), CocktailConfig(warmup_steps=warmup_steps)
+    )
     g = torch.Generator().manual_seed(rank)
     reports = []
     for step in range(steps):
@@ -161,8 +162,12 @@ def _payload_scenario(rank: int, warmup_steps: int, steps: int) -> dict:
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         reports.append(method.step(step).as_event())
     method.finish()
-    return {"reports": reports, "shapes": [p.shape for p in model.parameters()],
-            "final_local": _flat(model.parameters()), "final_global": _global(method, model.parameters())}
+    return {
+        "reports": reports,
+        "shapes": [p.shape for p in model.parameters()],
+        "final_local": _flat(model.parameters()),
+        "final_global": _global(method, model.parameters()),
+    }
 
 
 def test_payload_is_all_reduce_in_warm_up_then_compressed_over_30x(tmp_path):
@@ -199,8 +204,9 @@ def _train_scenario(rank: int, steps: int) -> dict:
     model = DecoderLM(get_model_config("tiny"))
     corpus = load_corpus(max_bytes=1 << 20)
     batches = replica_batches(corpus, rank, WORLD, batch_size=8, seq_len=64, seed=0)
-    method = build_method("cocktail", method_config("cocktail"),
-                          _context(list(model.named_parameters()), OptimConfig(), steps))
+    method = build_method(
+        "cocktail", method_config("cocktail"), _context(list(model.named_parameters()), OptimConfig(), steps)
+    )
     losses = []
     for step in range(steps):
         inputs, targets = next(batches)

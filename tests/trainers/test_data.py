@@ -3,7 +3,6 @@ import torch
 
 from trainers.data import (
     DOC_SEPARATOR,
-    ByteTokenizer,
     Corpus,
     load_corpus,
     replica_batches,
@@ -114,13 +113,3 @@ def test_missing_or_empty_path_is_a_clear_error(tmp_path):
     corpus = load_corpus(str(tmp_path))
     with pytest.raises(ValueError, match="shorter sequence length"):
         next(replica_batches(corpus, 0, 1, 1, 64, seed=0))
-
-
-def test_byte_tokenizer_round_trip():
-    tok = ByteTokenizer()
-    text = "naïve café — 日本語 🐍"
-    ids = tok.encode(text)
-    assert all(0 <= i < tok.vocab_size for i in ids) and len(ids) == len(text.encode())
-    assert tok.decode(ids) == text
-    assert tok.decode(torch.tensor(ids)) == text
-    assert tok.decode(ids[:-1]).endswith("\ufffd")

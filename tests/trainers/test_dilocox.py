@@ -9,37 +9,27 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import socket
 from collections import deque
-from datetime import timedelta
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.trainers.spawn import run_ranks
 from trainers.comm import allgather_payload_bytes
 from trainers.compression import low_rank_nbytes, quantized_nbytes
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches
-from trainers.diloco import DiLoCo, DiLoCoConfig
 from trainers.dilocox import DiLoCoX, DiLoCoXConfig, adapted_schedule
 from trainers.method import MethodContext
 from trainers.models import DecoderLM, get_model_config
+from trainers.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.registry import build_method, method_config
 
 WORLD = 2
 # A constant, large inner learning rate makes every inner step move the weights visibly.
 TOY_OPTIM = OptimConfig(lr=1e-2, warmup_fraction=0.0, min_lr_ratio=1.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _context(model: torch.nn.Module, optim: OptimConfig, steps: int, group) -> MethodContext:
@@ -169,7 +159,7 @@ def _equivalence_scenario(rank: int) -> dict:
     steps, local_steps = 6, 2
     a = _toy_model()
     b = copy.deepcopy(a)
-    diloco = DiLoCo(_context(a, TOY_OPTIM, steps, dist.group.WORLD), DiLoCoConfig(local_steps=local_steps))
+    diloco = OpenDiLoCo(_context(a, TOY_OPTIM, steps, dist.group.WORLD), OpenDiLoCoConfig(local_steps=local_steps))
     cfg = DiLoCoXConfig(local_steps=local_steps, overlap=False, compression=False, adaptive=False)
     dilocox = DiLoCoX(_context(b, TOY_OPTIM, steps, dist.group.WORLD), cfg)
     payloads = []
@@ -255,22 +245,10 @@ def _all_scenarios(rank: int) -> dict:
     return {"equivalence": _equivalence_scenario(rank), "delay": _delay_scenario(rank), "train": _train_scenario(rank)}
 
 
-def _worker(rank: int, port: int, out_dir: Path) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-    try:
-        torch.save(_all_scenarios(rank), out_dir / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory) -> dict[str, list[dict]]:
     """Scenario name -> each rank's results."""
-    out_dir = tmp_path_factory.mktemp("dilocox")
-    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
-    results = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = run_ranks(_all_scenarios, (), tmp_path_factory.mktemp("dilocox"), WORLD)
     return {name: [out[name] for out in results] for name in results[0]}
 
 

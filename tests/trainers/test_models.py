@@ -6,12 +6,15 @@ import torch
 from trainers.models import (
     MODEL_CONFIGS,
     DecoderLM,
-    build_model,
     count_parameters,
     get_model_config,
 )
 
 SMALL_STYLES = ["tiny", "tiny-qwen"]
+
+
+def build_model(name: str) -> DecoderLM:
+    return DecoderLM(get_model_config(name))
 
 
 def n_params(model: torch.nn.Module) -> int:

@@ -17,9 +17,9 @@ from tests.trainers.spawn import run_ranks
 from trainers.comm import allreduce_payload_bytes
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches, validation_batches
-from trainers.diloco import DiLoCo, DiLoCoConfig
 from trainers.method import MethodContext
 from trainers.models import DecoderLM, get_model_config
+from trainers.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.optim import clip_grad_norm, inner_optimizer
 from trainers.registry import build_method, method_config
 
@@ -69,7 +69,7 @@ def _params(model: torch.nn.Module) -> list[torch.Tensor]:
 )
 def test_bad_config_names_the_flag(options, flag):
     with pytest.raises(ValueError, match=flag):
-        DiLoCoConfig(**options)
+        OpenDiLoCoConfig(**options)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -100,8 +100,10 @@ class _Twin:
 def _average_scenario(rank: int, dtype: str, steps: int) -> dict:
     """H=1, outer lr 1, no momentum: theta_global must become the mean of the replicas after their inner step."""
     model = _toy_model()
-    method = DiLoCo(_context(model, TOY_OPTIM, steps, dist.group.WORLD),
-                    DiLoCoConfig(local_steps=1, outer_lr=1.0, outer_momentum=0.0, pseudo_grad_dtype=dtype))
+    method = OpenDiLoCo(
+        _context(model, TOY_OPTIM, steps, dist.group.WORLD),
+        OpenDiLoCoConfig(local_steps=1, outer_lr=1.0, outer_momentum=0.0, pseudo_grad_dtype=dtype),
+    )
     twin = _Twin(model, steps)
     out = {"inner": [], "synced": []}
     for step in range(steps):
@@ -127,7 +129,7 @@ def test_outer_step_with_lr_one_averages_the_replicas(tmp_path, dtype, tol):
 
 def _cadence_scenario(rank: int, local_steps: int, steps: int) -> dict:
     model = _toy_model()
-    method = DiLoCo(_context(model, TOY_OPTIM, steps, dist.group.WORLD), DiLoCoConfig(local_steps=local_steps))
+    method = OpenDiLoCo(_context(model, TOY_OPTIM, steps, dist.group.WORLD), OpenDiLoCoConfig(local_steps=local_steps))
     reports, swapped_in, restored = {}, [], []
     for step in range(steps):
         _toy_backward(model, rank, step)
@@ -138,8 +140,13 @@ def _cadence_scenario(rank: int, local_steps: int, steps: int) -> dict:
         with method.eval_parameters():
             swapped_in.append(_params(model))
         restored.append(all(torch.equal(a, b) for a, b in zip(local, _params(model), strict=True)))
-    return {"reports": reports, "swapped_in": swapped_in, "restored": restored,
-            "numel": sum(p.numel() for p in model.parameters()), "state_bytes": method.optimizer_state_bytes()}
+    return {
+        "reports": reports,
+        "swapped_in": swapped_in,
+        "restored": restored,
+        "numel": sum(p.numel() for p in model.parameters()),
+        "state_bytes": method.optimizer_state_bytes(),
+    }
 
 
 def test_syncs_every_h_steps_with_fp16_all_reduce_payload(tmp_path):
@@ -160,16 +167,17 @@ def test_syncs_every_h_steps_with_fp16_all_reduce_payload(tmp_path):
     for mine, theirs in zip(results[0]["swapped_in"], results[1]["swapped_in"], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
     # Between syncs evaluation sees theta_global, which only moves at a sync.
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["swapped_in"][0], results[0]["swapped_in"][1],
-                                                 strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["swapped_in"][0], results[0]["swapped_in"][1], strict=True))
 
 
 def test_one_cluster_still_takes_the_outer_step():
     """Without a data-parallel group the outer step runs on the local pseudo-gradient alone."""
     model = _toy_model()
     start = _params(model)
-    method = DiLoCo(_context(model, TOY_OPTIM, 1, None),
-                    DiLoCoConfig(local_steps=1, outer_lr=0.5, outer_momentum=0.0, pseudo_grad_dtype="fp32"))
+    method = OpenDiLoCo(
+        _context(model, TOY_OPTIM, 1, None),
+        OpenDiLoCoConfig(local_steps=1, outer_lr=0.5, outer_momentum=0.0, pseudo_grad_dtype="fp32"),
+    )
     twin = _Twin(model, 1)
     _toy_backward(model, 0, 0)
     inner = twin.inner_step(model)

@@ -7,16 +7,13 @@ unsplit reference itself; the parent compares what the workers wrote to disk.
 from __future__ import annotations
 
 import copy
-import os
-import socket
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.trainers.spawn import run_ranks
 from trainers.models import DecoderLM, get_model_config
 from trainers.pipeline import PipelinedStage, WholeModel, build_stage, split_points, validate_pipeline
 
@@ -79,20 +76,15 @@ def _cluster_ranks(cluster: int, stages: int) -> list[int]:
     return list(range(cluster * stages, (cluster + 1) * stages))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _batches(seed: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     vocab = get_model_config("tiny").vocab_size
     return [tuple(torch.randint(0, vocab, (2, BATCH, SEQ), generator=g)) for _ in range(n)]
 
 
-def _run_case(stage_index: int, stages: int, group: dist.ProcessGroup, cluster: int, schedule: str,
-              microbatches: int) -> dict:
+def _run_case(
+    stage_index: int, stages: int, group: dist.ProcessGroup, cluster: int, schedule: str, microbatches: int
+) -> dict:
     torch.manual_seed(0)
     model = DecoderLM(get_model_config("tiny"))
     reference = copy.deepcopy(model)
@@ -109,8 +101,7 @@ def _run_case(stage_index: int, stages: int, group: dist.ProcessGroup, cluster: 
     weights = {n: p.detach().clone() for n, p in params.items()}
     out["eval_after"] = stage.evaluate(val)
     out["changed_by_eval"] = [
-        n for n, p in params.items()
-        if not (torch.equal(p, weights[n]) and torch.equal(p.grad, out["grads"][n]))
+        n for n, p in params.items() if not (torch.equal(p, weights[n]) and torch.equal(p.grad, out["grads"][n]))
     ]
     # A second step without zeroing: gradients must accumulate as they do under loss.backward().
     out["loss_again"] = stage.forward_backward(x, y)
@@ -125,30 +116,23 @@ def _run_case(stage_index: int, stages: int, group: dist.ProcessGroup, cluster: 
     return out
 
 
-def _worker(rank: int, world: int, port: int, stage_counts: list[int], out_dir: Path) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    # A short timeout turns a schedule deadlock into a failed test rather than a hung one.
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        results = {}
-        for stages in stage_counts:
-            # Every rank must take part in creating every group, its own or not.
-            cluster, stage_index = divmod(rank, stages)
-            groups = [dist.new_group(_cluster_ranks(c, stages)) for c in range(world // stages)]
-            for schedule, microbatches in _cases(stages):
-                results[stages, schedule, microbatches] = _run_case(
-                    stage_index, stages, groups[cluster], cluster, schedule, microbatches
-                )
-        torch.save(results, out_dir / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _all_cases(rank: int, stage_counts: list[int]) -> dict:
+    world = dist.get_world_size()
+    results = {}
+    for stages in stage_counts:
+        # Every rank must take part in creating every group, its own or not.
+        cluster, stage_index = divmod(rank, stages)
+        groups = [dist.new_group(_cluster_ranks(c, stages)) for c in range(world // stages)]
+        for schedule, microbatches in _cases(stages):
+            results[stages, schedule, microbatches] = _run_case(
+                stage_index, stages, groups[cluster], cluster, schedule, microbatches
+            )
+    return results
 
 
 def _spawn(world: int, stage_counts: list[int], out_dir: Path) -> list[dict]:
-    mp.spawn(_worker, args=(world, _free_port(), stage_counts, out_dir), nprocs=world, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+    # run_ranks' short gloo timeout turns a schedule deadlock into a failed test rather than a hung one.
+    return run_ranks(_all_cases, (stage_counts,), out_dir, world)
 
 
 def _check(results: list[dict], world: int, stages: int) -> None:
