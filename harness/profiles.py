@@ -22,6 +22,9 @@ PROFILE_DIR = Path(__file__).resolve().parent.parent / "netem_profiles"
 # HARNESS_MAX_RATE.
 SHAPEABLE_BPS_PER_CORE = 1.5e9
 MIN_RATE_BPS = 8_000
+# tbf sends a packet only when its bucket holds the whole packet: a burst below one full-size Ethernet frame (MTU
+# 1500 plus the 14-byte header) drops every full-size packet, and the run can only time out.
+MIN_BURST_BYTES = 1514
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _SIZE_UNITS = {"b": 1, "kb": 1024, "k": 1024, "mb": 1024**2, "m": 1024**2, "gb": 1024**3}
@@ -84,6 +87,9 @@ class LinkSpec:
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_burst(self.rate_bps, self.burst_bytes, f"{self.burst_bytes}b")
+
     @property
     def needs_netem(self) -> bool:
         return self.delay_ms > 0 or self.jitter_ms > 0 or self.loss_pct > 0
@@ -124,7 +130,19 @@ class LinkSpec:
         kwargs = {field: parse(data[key]) for key, (field, parse) in parsers.items() if key in data}
         if kwargs.get("jitter_ms") and not kwargs.get("delay_ms"):
             raise ProfileError(f"{where} sets jitter without delay; add a delay (jitter varies it)")
+        if "burst_bytes" in kwargs:
+            check_burst(kwargs.get("rate_bps"), kwargs["burst_bytes"], str(data["burst"]).strip(), f"{where}: ")
         return cls(**kwargs)
+
+
+def check_burst(rate_bps: int | None, burst_bytes: int, shown: str, where: str = "") -> None:
+    """A shaped link's tbf bucket holds at least one full-size packet; burst matters only with a rate."""
+    if rate_bps is not None and burst_bytes < MIN_BURST_BYTES:
+        least = -(-MIN_BURST_BYTES // 1024)
+        raise ProfileError(
+            f"{where}burst {shown} is below one full-size packet ({MIN_BURST_BYTES:,} bytes): tbf would drop every "
+            f"full-size packet; use at least {least}kb"
+        )
 
 
 @dataclass(frozen=True)
@@ -157,13 +175,17 @@ def load_profile(name_or_path: str) -> Profile:
     """A profile by name (netem_profiles/NAME.yaml) or by a path to the user's own YAML file."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
-        if not path.is_file():
+        if _is_dir(path):
+            raise _folder_error(name_or_path)
+        if not _is_file(path):
             raise ProfileError(
                 f"profile file {name_or_path} does not exist; pass a YAML file or one of: {', '.join(known_profiles())}"
             )
     else:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
-        if not path.is_file():
+        if not _is_file(path):
+            if _is_dir(Path(name_or_path)):
+                raise _folder_error(name_or_path)
             raise ProfileError(
                 f"unknown profile {name_or_path!r}; known profiles: {', '.join(known_profiles())} "
                 "(or pass a path to your own YAML)"
@@ -181,6 +203,27 @@ def load_profile(name_or_path: str) -> Profile:
         intra_cluster=LinkSpec.from_yaml(data.get("intra_cluster"), f"{path.name}: intra_cluster"),
         source=str(path),
     )
+
+
+def _folder_error(name_or_path: str) -> ProfileError:
+    return ProfileError(
+        f"profile {name_or_path} is a folder; pass a profile YAML file or one of: {', '.join(known_profiles())}"
+    )
+
+
+def _is_file(path: Path) -> bool:
+    # Path.is_file raises on a name too long for the file system; such a file does not exist either.
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def max_shapeable_rate_bps() -> float:

@@ -44,6 +44,10 @@ class Interrupted(Exception):
 def validate(config: RunConfig, out: Path | None) -> RunFolder:
     """Check everything the user chose, in one place, before the host is touched; returns the results folder."""
     config.validate()
+    if not (math.isfinite(config.collective_timeout_s) and config.collective_timeout_s > 0):
+        raise RunError(
+            f"the collective timeout must be a positive number of seconds, got {config.collective_timeout_s}"
+        )
     if config.backend == "docker":
         try:
             from harness.backends.docker import unavailable_reason
@@ -120,13 +124,13 @@ def run(
     `summary["interrupted_by"]` names the signal (SIGINT, SIGTERM) that stopped the run, if one did.
     """
     folder = validate(config, out)
+    run_dir = folder.create()
     topology = Topology(config.clusters, config.stages)
     cluster = make_backend(config.backend, config.run_key, topology, config.profile, config.gpus)
     procs: dict[int, Worker] = {}
     failure: str | None = None
     record: dict[str, Any] = {}
     qdiscs: list[dict] = []
-    run_dir = folder.create()
     with _Signals() as signals:
         try:
             config.save(run_dir / "config.json")

@@ -5,6 +5,7 @@ Method-specific settings live next to the method (each method file defines its o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -19,6 +20,25 @@ class OptimConfig:
     warmup_fraction: float = 0.05
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
+
+    def validate(self) -> None:
+        """Finite numbers in range (nan passes no comparison, so every check is written to fail on it)."""
+        if not (_real(self.lr) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr must be a positive finite number, got {self.lr}")
+        if not (_real(self.weight_decay) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number of at least 0, got {self.weight_decay}")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(_real(b) and 0 <= b < 1 for b in betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        for name, value in (("warmup_fraction", self.warmup_fraction), ("min_lr_ratio", self.min_lr_ratio)):
+            if not (_real(value) and 0 <= value <= 1):
+                raise ValueError(f"{name} must be a number in [0, 1], got {value}")
+        if not (_real(self.grad_clip) and math.isfinite(self.grad_clip) and self.grad_clip > 0):
+            raise ValueError(f"grad_clip must be a positive finite number, got {self.grad_clip}")
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -44,6 +64,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self) -> None:
+        self.optim.validate()
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         if self.batch_size < 1:
@@ -52,6 +73,13 @@ class TrainConfig:
             raise ValueError(f"--seq-len must be positive, got {self.seq_len}")
         if self.eval_every < 1:
             raise ValueError(f"--eval-every must be at least 1, got {self.eval_every}")
+        if self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be at least 1, got {self.eval_batches}")
+        # numpy's SeedSequence takes no negative seed, torch's manual_seed none above 64 bits.
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"--seed must be in [0, 2**64), got {self.seed}")
+        if self.microbatches < 0:
+            raise ValueError(f"--microbatches must be at least 0 (0: one per stage), got {self.microbatches}")
         if self.pipeline_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"--pipeline-schedule must be 1f1b or gpipe, got {self.pipeline_schedule!r}")
         if not 0 <= self.throughput_warmup_steps < self.steps:

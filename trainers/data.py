@@ -4,8 +4,10 @@ Nothing is downloaded. The default corpus is this Python's own standard library,
 the harness already has; `--data PATH` swaps in any text file or directory of text files.
 """
 
+import codecs
 import hashlib
 import os
+import stat
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -17,6 +19,9 @@ import torch
 
 # Byte-level stand-in for <|endoftext|>: ASCII "end of transmission" never occurs in source code.
 DOC_SEPARATOR = b"\x04"
+# What load_corpus holds out and how much it reads; the workers call it with these defaults.
+VAL_FRACTION = 0.05
+MAX_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -37,32 +42,49 @@ def _stdlib_files() -> tuple[Path, list[Path]]:
 
 
 def _user_files(path: Path) -> list[Path]:
+    """A file, or every file under a folder whatever its extension, but hidden ones (.git, .venv, editor state)."""
     if path.is_file():
         return [path]
-    # Hidden entries (.git, .venv, editor state) are tooling, not text someone meant to train on.
+    # Hidden entries are tooling, not text someone meant to train on.
     visible = (f for f in path.rglob("*") if not any(p.startswith(".") for p in f.relative_to(path).parts))
     return sorted((f for f in visible if f.is_file()), key=lambda f: f.relative_to(path).as_posix())
 
 
-def _read_documents(files: list[Path], max_bytes: int) -> list[bytes]:
+def _read_text(f: Path, limit: int) -> bytes | None:
+    """At most the first `limit` bytes of f, or None when they are not UTF-8 (a character cut at `limit` is fine).
+
+    Only the bytes that can be used are read and decoded, so a huge file costs no more than the budget.
+    """
+    with f.open("rb") as fh:
+        data = fh.read(limit + 1)
+    whole = len(data) <= limit
+    data = data[:limit]
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
+    except UnicodeDecodeError:
+        return None
+    return data
+
+
+def _read_documents(files: list[Path], max_bytes: int) -> tuple[list[tuple[Path, bytes]], list[Path]]:
     """Read files in order until they hold max_bytes (the last one cut to fit), skipping empty files.
 
     Non-UTF-8 files are skipped too, rather than decoded with replacement: in a directory of text they are
     almost always binaries (images, archives, pickles), and their bytes would only teach the model noise.
+    Returns the documents (with their files) and the files skipped as not UTF-8.
     """
-    docs, budget = [], max_bytes
+    docs, binary, budget = [], [], max_bytes
     for f in files:
-        data = f.read_bytes()
-        try:
-            data.decode("utf-8")
-        except UnicodeDecodeError:
+        data = _read_text(f, budget)
+        if data is None:
+            binary.append(f)
             continue
         if data:
-            docs.append(data[:budget])
-            budget -= len(docs[-1])
+            docs.append((f, data))
+            budget -= len(data)
         if budget == 0:
             break
-    return docs
+    return docs, binary
 
 
 def _is_val(i: int, val_fraction: float) -> bool:
@@ -70,11 +92,36 @@ def _is_val(i: int, val_fraction: float) -> bool:
     return int((i + 1) * val_fraction) > int(i * val_fraction)
 
 
+def _held_out(n_docs: int, val_fraction: float) -> list[bool]:
+    """Which of n_docs (> 1) documents go to val: every 1/val_fraction-th, and at least the last one."""
+    held_out = [_is_val(i, val_fraction) for i in range(n_docs)]
+    if not any(held_out):
+        held_out[-1] = True
+    return held_out
+
+
+def _single_file_val_bytes(length: int, val_fraction: float) -> int:
+    """How many of a single document's `length` bytes are held out: its last val_fraction, at least one."""
+    return max(1, int(length * val_fraction))
+
+
+def _split(docs: list[bytes], val_fraction: float) -> tuple[bytes, bytes, bytes]:
+    """(all documents joined, train, val), split as load_corpus documents."""
+    joined = DOC_SEPARATOR.join(docs)
+    if len(docs) == 1:
+        cut = len(joined) - _single_file_val_bytes(len(joined), val_fraction)
+        return joined, joined[:cut], joined[cut:]
+    held_out = _held_out(len(docs), val_fraction)
+    train = DOC_SEPARATOR.join(d for d, v in zip(docs, held_out, strict=True) if not v)
+    val = DOC_SEPARATOR.join(d for d, v in zip(docs, held_out, strict=True) if v)
+    return joined, train, val
+
+
 def _to_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def load_corpus(path: str | None = None, val_fraction: float = 0.05, max_bytes: int = 8 << 20) -> Corpus:
+def load_corpus(path: str | None = None, val_fraction: float = VAL_FRACTION, max_bytes: int = MAX_BYTES) -> Corpus:
     """Load the corpus and split it into train and held-out val, by whole documents.
 
     A directory's files are documents, and every 1/val_fraction-th one goes to val, so no file is in both
@@ -95,20 +142,11 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.05, max_bytes: 
         files = _user_files(root)
         name = str(root)
 
-    docs = _read_documents(files, max_bytes)
+    docs = [data for _, data in _read_documents(files, max_bytes)[0]]
     total = sum(map(len, docs))
     if total == 0:
         raise ValueError(f"no UTF-8 text found in {name}; pass a text file or a directory of text files.")
-    joined = DOC_SEPARATOR.join(docs)
-    if len(docs) == 1:
-        cut = len(joined) - max(1, int(len(joined) * val_fraction))
-        train, val = joined[:cut], joined[cut:]
-    else:
-        held_out = [_is_val(i, val_fraction) for i in range(len(docs))]
-        if not any(held_out):
-            held_out[-1] = True
-        train = DOC_SEPARATOR.join(d for d, v in zip(docs, held_out, strict=True) if not v)
-        val = DOC_SEPARATOR.join(d for d, v in zip(docs, held_out, strict=True) if v)
+    joined, train, val = _split(docs, val_fraction)
     if len(train) < 2 or len(val) < 2:
         raise ValueError(f"{name} holds only {total} bytes of text, too few to split; pass a larger corpus.")
 
@@ -121,6 +159,116 @@ def load_corpus(path: str | None = None, val_fraction: float = 0.05, max_bytes: 
     )
 
 
+def _min_single_file_bytes(seq_len: int, n_replicas: int, val_fraction: float) -> int:
+    """The fewest bytes a single text file needs so that every replica's shard and the val split hold a window."""
+    need = seq_len + 1
+    length = max((n_replicas + 1) * need, int(need / val_fraction) - 2)
+    while True:
+        val = _single_file_val_bytes(length, val_fraction)
+        if val >= need and _shard_bounds(length - val, 0, n_replicas)[1] >= need:
+            return length
+        length += 1
+
+
+def _examples(paths: list[Path], root: Path, n: int = 3) -> str:
+    shown = ", ".join(p.relative_to(root).as_posix() if root in p.parents else str(p) for p in paths[:n])
+    return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
+
+
+def check_data(path: str | None, seq_len: int, n_replicas: int) -> None:
+    """Refuse, before anything starts, data the workers' load_corpus, replica_batches or validation_batches would
+    refuse; raises ValueError with one sentence naming the fix.
+
+    It reads and splits exactly what load_corpus does (at most MAX_BYTES; ~0.1 s on the default corpus), without
+    building tensors: a path that exists and can be read, UTF-8 text in it, and enough of it that each of the
+    n_replicas training shards and the val split hold one window of seq_len + 1 bytes (byte-level tokens, so
+    bytes are tokens; batches and evaluation windows are drawn from those, overlapping, so their number needs
+    no more).
+    """
+    if seq_len < 1 or n_replicas < 1:
+        raise ValueError(f"seq_len and n_replicas must be at least 1, got {seq_len} and {n_replicas}")
+    if path is None:
+        root, files = _stdlib_files()
+        name = "the default corpus (this Python's standard library)"
+    else:
+        root, name = _check_data_path(path)
+        files = _user_files(root)
+        if not files:
+            raise ValueError(
+                f"{name} holds no files (every file in it and its subfolders is read, whatever its extension, "
+                "but hidden ones such as .git); add text files or pass another --data"
+            )
+    try:
+        read, binary = _read_documents(files, MAX_BYTES)
+    except OSError as err:
+        what = err.filename or name
+        where = f" in {name}" if path is not None and what != str(root) else ""
+        raise ValueError(
+            f"cannot read {what}{where} ({err.strerror}); make it readable or pass another --data"
+        ) from None
+    if not read:
+        if path is not None and root.is_file():
+            if binary:
+                raise ValueError(f"{name} is not UTF-8 text (it looks binary); pass a text file")
+            raise ValueError(f"{name} is empty; pass a file with text in it")
+        if binary:
+            what = f"{len(binary)} of its {len(files)} files are not UTF-8 text ({_examples(binary, root)})"
+            what += ", the rest empty" if len(binary) < len(files) else ""
+        else:
+            what = f"its {len(files)} files are empty"
+        raise ValueError(f"{name} holds no text: {what}; add UTF-8 text files (any extension) or pass another --data")
+
+    docs = [data for _, data in read]
+    _, train, val = _split(docs, VAL_FRACTION)
+    need = seq_len + 1
+    shard = min(stop - start for start, stop in (_shard_bounds(len(train), r, n_replicas) for r in range(n_replicas)))
+    if shard >= need and len(val) >= need:
+        return
+    shorter = "a shorter --seq-len or fewer --clusters" if n_replicas > 1 else "a shorter --seq-len"
+    total = sum(map(len, docs))
+    if len(docs) == 1:
+        least = _min_single_file_bytes(seq_len, n_replicas, VAL_FRACTION)
+        more = f"at least {least:,} bytes of text" if least <= MAX_BYTES else "more text"
+        shards = f"each of the {n_replicas} clusters' training shards" if n_replicas > 1 else "the training split"
+        raise ValueError(
+            f"{name} holds {total:,} byte{'s' if total != 1 else ''} of text, too few for this run, which needs "
+            f"seq_len + 1 = {need:,} bytes in {shards} and in the held-out last {VAL_FRACTION:.0%}; "
+            f"pass {more}, or {shorter}"
+        )
+    if shard < need:
+        raise ValueError(
+            f"{name}'s training split ({len(train):,} bytes) gives each of {n_replicas} clusters {shard:,} bytes, "
+            f"fewer than seq_len + 1 = {need:,}; add text, or pass {shorter}"
+        )
+    held = [f for (f, _), v in zip(read, _held_out(len(docs), VAL_FRACTION), strict=True) if v]
+    every = round(1 / VAL_FRACTION)
+    raise ValueError(
+        f"{name}'s held-out split ({_examples(held, root)}: {len(val):,} bytes) is shorter than the seq_len + 1 = "
+        f"{need:,} that evaluation reads; add text to it or more files (every {every}th file is held out, or the "
+        "last one when there are fewer), or pass a shorter --seq-len"
+    )
+
+
+def _check_data_path(path: str) -> tuple[Path, str]:
+    """(the path, how messages name it), when it is a readable file or folder; else ValueError."""
+    root = Path(path).expanduser()
+    try:
+        mode = root.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"--data {path} does not exist; pass a text file or a folder of text files") from None
+    except OSError as err:
+        raise ValueError(f"cannot read --data {path} ({err.strerror}); pass a readable text file or folder") from None
+    if stat.S_ISDIR(mode):
+        if not os.access(root, os.R_OK | os.X_OK):
+            raise ValueError(f"cannot read --data folder {path} (permission denied); make it readable")
+        return root, f"--data folder {path}"
+    if stat.S_ISREG(mode):
+        if not os.access(root, os.R_OK):
+            raise ValueError(f"cannot read --data {path} (permission denied); make it readable")
+        return root, f"--data {path}"
+    raise ValueError(f"--data {path} is neither a file nor a folder; pass a text file or a folder of text files")
+
+
 def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     w = data[starts[:, None] + torch.arange(seq_len + 1)].long()
     return w[:, :-1], w[:, 1:]
@@ -130,8 +278,12 @@ def replica_shard(corpus: Corpus, replica: int, n_replicas: int) -> torch.Tensor
     """The contiguous slice of the train split that replica `replica` of `n_replicas` trains on."""
     if not 0 <= replica < n_replicas:
         raise ValueError(f"replica must be in [0, {n_replicas}), got {replica}.")
-    n = len(corpus.train)
-    return corpus.train[replica * n // n_replicas : (replica + 1) * n // n_replicas]
+    start, stop = _shard_bounds(len(corpus.train), replica, n_replicas)
+    return corpus.train[start:stop]
+
+
+def _shard_bounds(n: int, replica: int, n_replicas: int) -> tuple[int, int]:
+    return replica * n // n_replicas, (replica + 1) * n // n_replicas
 
 
 def replica_batches(

@@ -150,6 +150,22 @@ def test_killed_rank_container_is_named_and_nothing_is_left(tmp_path, client, st
     assert_nothing_left(client, before, out)
 
 
+def test_killed_cluster_container_fails_the_run_saying_so(tmp_path, client, start_long_run):
+    """The container holding a cluster's namespace is the backend's; its loss is reported as what it is."""
+    before = snapshot_all()
+    out = tmp_path / "docker-holder"
+    proc = start_long_run(out)
+    wait_for_steps(out, 0, 2, proc)
+    client.containers.get(f"{run_key_of(out)}-c1").kill()
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, output
+    assert "Traceback" not in output, output
+    failure = summary_of(out)["failure"]
+    # The holder's death also kills its ranks; either way the run fails cleanly, naming what went.
+    assert "cluster 1" in failure or "rank 1" in failure, failure
+    assert_nothing_left(client, before, out)
+
+
 def test_ctrl_c_removes_every_container_and_the_network(tmp_path, client, start_long_run):
     before = snapshot_all()
     out = tmp_path / "docker-ctrl-c"
@@ -157,7 +173,7 @@ def test_ctrl_c_removes_every_container_and_the_network(tmp_path, client, start_
     wait_for_steps(out, 0, 2, proc)
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1, output
+    assert proc.returncode == 130, output
     summary = summary_of(out)
     assert summary["status"] == "failed" and "SIGINT" in summary["failure"]
     assert_nothing_left(client, before, out)
