@@ -240,6 +240,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
     _print_text(f"results: {summary['results_dir']}")
 
 
+def _print_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        errors.print(Text.assemble(("warning: ", "yellow"), warning), highlight=False, soft_wrap=True)
+
+
 def _print_text(text: str) -> None:
     """Untrusted text (paths, names, errors) printed as it is: never read as markup, never highlighted."""
     console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -296,6 +301,7 @@ def run(method, profile, clusters, stages, out, calibrate, backend, gpus, **sett
         method, profile, clusters=clusters, stages=stages, backend=backend, gpus=gpus, calibrate=calibrate, **settings
     )
     validate(config, out)
+    _print_warnings(config.warnings())
     _reexec_if_unprivileged()
     progress, update = _progress_display()
     _signals_belong_to_the_run()
@@ -530,6 +536,8 @@ def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, forc
         repeats=repeats,
     )
     spec.validate(regime_pending=regime is not None)
+    if spec.profiles:
+        _print_warnings(spec.warnings())
     _reexec_if_unprivileged()
     if regime is not None:
         path, derived = regime_profile(regime, settings, out, force)

@@ -21,6 +21,9 @@ from harness.profiles import LinkSpec, Profile, check_shapeable, load_profile
 from harness.topology import Topology
 from trainers.config import OptimConfig, TrainConfig
 
+# Fewer synchronizations than this and a DiLoCo-style run is mostly local training: warned before it starts.
+MIN_SYNCS = 3
+
 
 def default_collective_timeout_s() -> float:
     """300 s, or HARNESS_TIMEOUT_S: long enough for one all-reduce on the slowest link a sweep uses."""
@@ -115,6 +118,20 @@ class RunConfig:
                 check_data(self.train.data, self.train.seq_len or model_cfg.max_seq_len, self.clusters)
             except ValueError as err:
                 raise UserError(str(err)) from None
+
+    def warnings(self) -> list[str]:
+        """Settings that run but measure little: call after validate(); each is one sentence naming the fix."""
+        from trainers.registry import method_config
+
+        cfg = method_config(self.method, self.method_options)
+        syncs = cfg.max_syncs(self.train.steps) if hasattr(cfg, "max_syncs") and self.clusters > 1 else None
+        if syncs is not None and syncs < MIN_SYNCS:
+            return [
+                f"{self.method} synchronizes at most {syncs} time(s) in {self.train.steps} steps (--local-steps "
+                f"{cfg.local_steps}): its throughput says little about communication; use more --steps or a "
+                "smaller --local-steps"
+            ]
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

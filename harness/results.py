@@ -260,9 +260,14 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
 
     window_s = ranks.get(0, {}).get("window_s")
     window_tokens = ranks.get(0, {}).get("window_tokens")
+    # Tokens that count are tokens in the final model: those whose updates the synchronized parameters hold. A
+    # stage-0 rank speaks for its replica (every stage of a replica synchronizes the same rounds).
+    applied_tokens = ranks.get(0, {}).get("applied_tokens")
+    window_applied_tokens = ranks.get(0, {}).get("window_applied_tokens", window_tokens)
     train_losses = from_ranks("final_train_loss", last_stage)
     wire = from_ranks("wire_bytes", first_stage)
     tokens = steps[-1]["tokens"] if steps else 0
+    exchanges = [e for e in syncs if e.get("sync_payload_bytes")]
     summary = {
         "schema": SUMMARY_SCHEMA,
         "run_id": config.run_id,
@@ -280,15 +285,21 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "seed": config.train.seed,
         "steps": len(steps),
         "tokens": tokens,
+        "trained_tokens": tokens,
+        "applied_tokens": applied_tokens,
         "throughput_warmup_steps": config.train.throughput_warmup_steps,
         "wall_s": (steps[-1]["t"] - steps[0]["t"] + steps[0]["step_s"]) if steps else None,
-        "tokens_per_s": window_tokens / window_s if window_s else None,
+        "tokens_per_s": window_applied_tokens / window_s if window_s else None,
+        "trained_tokens_per_s": window_tokens / window_s if window_s else None,
         "wire_bytes": sum(wire) if len(wire) == config.clusters and config.clusters > 1 else None,
-        "wire_bytes_per_token": sum(wire) / tokens if wire and tokens and config.clusters > 1 else None,
+        "wire_bytes_per_token": (
+            sum(wire) / applied_tokens if wire and applied_tokens and config.clusters > 1 else None
+        ),
         "payload_bytes": sum(
             e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r] if e["kind"] in ("step", "finish")
         ),
-        "sync_count": len(syncs),
+        # Exchanges that crossed the slow link (an event that only applied an earlier exchange is not one).
+        "sync_count": len(exchanges),
         "comm_blocked_s": sum(e["sync_blocked_s"] for e in syncs),
         "comm_overlapped_s": sum(e["sync_overlapped_s"] for e in syncs),
         "overlap_hidden_fraction": _hidden_fraction(syncs),

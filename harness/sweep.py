@@ -174,6 +174,10 @@ class SweepSpec:
         settings = {**self.settings, **self.per_method.get(combo.method, {}), **dict(combo.varied)}
         return build_config(combo.method, combo.profile, combo.seed, settings)
 
+    def warnings(self) -> list[str]:
+        """RunConfig.warnings of every run, each prefixed with the run's name (call after validate)."""
+        return [f"{combo.name}: {w}" for combo in self.combinations() for w in self.config(combo).warnings()]
+
     def validate(self, regime_pending: bool = False) -> None:
         """Refuse a bad method, profile, setting or value before the first run starts.
 

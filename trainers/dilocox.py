@@ -22,11 +22,12 @@ for round t-1's gather, which ran behind round t's inner steps, and applies it:
 
 Round 1 has no average before it: theta_1 = theta_0, and every replica restarts round 2 from theta_0, its round-1
 progress travelling as delta_1 (applied at the end of round 2). So each round's delta is measured from the theta
-the round started from, and the update is exactly one round stale. finish() waits for the last gather and applies
-it, so training ends on a theta holding every completed round; steps of an unfinished last round are dropped, as
-DiLoCo drops them. `--no-overlap` applies Delta_t at the end of round t itself: blocking DiLoCo with compression.
-`--no-compression` sends fp16 pseudo-gradients through an fp16 all-reduce instead, as OpenDiLoCo does, without
-error feedback; with overlap, compression and adaptation all off this is OpenDiLoCo exactly.
+the round started from, and the update is exactly one round stale. finish() exchanges the steps of an unfinished
+last round as a shorter round (`--no-final-sync` drops them, as DiLoCo does), then waits for the last gather and
+applies it, so training ends on a theta holding every round. `--no-overlap` applies Delta_t at the end of round t
+itself: blocking DiLoCo with compression. `--no-compression` sends fp16 pseudo-gradients through an fp16 all-reduce
+instead, as OpenDiLoCo does, without error feedback; with overlap, compression and adaptation all off this is
+OpenDiLoCo exactly.
 
 Adaptation (`--no-adaptive` keeps r_1 and H_1). When an average Delta arrives, every rank derives from it the
 rank and round length of the round that starts now. Delta is identical across clusters, so nothing more crosses
@@ -95,6 +96,9 @@ class DiLoCoXConfig:
     energy: float = 0.9
     min_rank: int = 4
     max_local_steps: int | None = None  # None: 4 * local_steps
+    # Synchronize the steps of an unfinished last round in finish() (blocking), so every trained token is in the
+    # final theta; --no-final-sync drops them, as DiLoCo does (they then do not count as applied tokens).
+    final_sync: bool = True
 
     def __post_init__(self) -> None:
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
@@ -115,6 +119,10 @@ class DiLoCoXConfig:
                 f"--max-local-steps must be at least --local-steps ({self.local_steps}), got {self.max_local_steps}"
             )
 
+    def max_syncs(self, steps: int) -> int:
+        """The most rounds a run of `steps` steps exchanges: H_t never falls below H_1."""
+        return -(-steps // self.local_steps) if self.final_sync else steps // self.local_steps
+
     @property
     def local_steps_cap(self) -> int:
         return 4 * self.local_steps if self.max_local_steps is None else self.max_local_steps
@@ -131,6 +139,7 @@ class _Exchange:
     """One round's pseudo-gradients on their way to every replica."""
 
     round: int
+    steps: int  # inner steps the round trained: applied with it
     rank: int  # the r its payloads were encoded with: decoding them needs it, and r may change before they land
     buffers: list[torch.Tensor]  # compressed: every replica's payload; fp16: the one summed buffer (once done)
     inflight: InFlight
@@ -153,6 +162,7 @@ class DiLoCoX(Method):
         self.rank_estimates = deque([cfg.rank] * cfg.rank_window, maxlen=cfg.rank_window)
         self.round = 0  # rounds completed
         self.steps_in_round = 0
+        self.synchronized_steps = 0  # steps of the rounds applied to theta so far
         self.in_flight: _Exchange | None = None  # with overlap: the last round's exchange, not yet applied
         self.last_average: list[torch.Tensor] | None = None  # for the staleness monitor
 
@@ -196,7 +206,7 @@ class DiLoCoX(Method):
             wire = flatten(deltas).to(torch.float16)
             error = relative_error(flatten(deltas), wire)
             inflight = all_reduce_sum(wire, self.ctx.data_parallel_group)
-            return _Exchange(self.round, self.compressor.rank, [wire], inflight), error
+            return _Exchange(self.round, self.steps_in_round, self.compressor.rank, [wire], inflight), error
         payloads, compensated, transmitted = [], [], []
         for name, delta in zip(self.names, deltas, strict=True):
             c = self.error_feedback.compensate(name, delta)
@@ -210,7 +220,7 @@ class DiLoCoX(Method):
         # Every replica of the group uses the same shapes and r, so the buffers have equal sizes, as gather needs.
         buffers, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
         error = relative_error(flatten(compensated), flatten(transmitted))
-        return _Exchange(self.round, self.compressor.rank, buffers, inflight), error
+        return _Exchange(self.round, self.steps_in_round, self.compressor.rank, buffers, inflight), error
 
     @torch.no_grad()
     def _apply(self, exchange: _Exchange) -> tuple[float, float, dict]:
@@ -218,6 +228,7 @@ class DiLoCoX(Method):
         blocked_s, overlapped_s = exchange.inflight.wait()
         average = self._average(exchange)
         self.outer.step(average)
+        self.synchronized_steps += exchange.steps
 
         fields = {"staleness": None, "estimated_rank": self._estimate_rank(average)}
         if self.last_average is not None:
@@ -254,13 +265,27 @@ class DiLoCoX(Method):
         return math.ceil(total / count) if count else self.cfg.rank
 
     def finish(self) -> SyncReport | None:
-        """Apply the last round's exchange, so training ends on a theta that holds every completed round."""
-        if self.in_flight is None:
+        """Apply what is still in flight, so training ends on a theta that holds every round: with final_sync the
+        partial last round is exchanged first (as an ordinary, shorter round), then the last exchange is applied."""
+        payload_bytes = blocked_s = overlapped_s = 0.0
+        fields: dict = {}
+        if self.cfg.final_sync and self.steps_in_round:
+            partial = self._outer_step()
+            payload_bytes, blocked_s, overlapped_s = partial.payload_bytes, partial.blocked_s, partial.overlapped_s
+            fields = partial.fields
+        if self.in_flight is not None:
+            exchange, self.in_flight = self.in_flight, None
+            waited_s, hidden_s, fields = self._apply(exchange)
+            blocked_s, overlapped_s = blocked_s + waited_s, overlapped_s + hidden_s
+            copy_into(self.global_params, self.params)
+        if not fields:
             return None
-        exchange, self.in_flight = self.in_flight, None
-        blocked_s, overlapped_s, fields = self._apply(exchange)
-        copy_into(self.global_params, self.params)
-        return SyncReport(payload_bytes=0, blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields)
+        return SyncReport(
+            payload_bytes=int(payload_bytes), blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields
+        )
+
+    def applied_steps(self, trained_steps: int) -> int:
+        return self.synchronized_steps
 
     def optimizer_state_bytes(self) -> int:
         """Inner AdamW moments, theta, the outer momentum buffer and the error-feedback residuals, for this stage.

@@ -109,6 +109,12 @@ class Method(ABC):
         """Complete communication still in flight at the end of training."""
         return None
 
+    def applied_steps(self, trained_steps: int) -> int:
+        """How many of the `trained_steps` steps have their updates in the synchronized parameters now: the tokens
+        that count. Always a prefix of the run (updates are applied in order). Methods that apply every step's
+        update by the end (after `finish`) keep this default."""
+        return trained_steps
+
     def eval_parameters(self) -> contextlib.AbstractContextManager[None]:
         """Parameters to evaluate on: theta_global where the method keeps one, else the model as it is."""
         if self.keeps_global_copy:

@@ -34,6 +34,13 @@ class OpenDiLoCoConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     pseudo_grad_dtype: CastDtype = "fp16"
+    # Synchronize the steps of an unfinished last round in finish(), so every trained token is in the final model;
+    # --no-final-sync drops them, as DiLoCo does (they then do not count as applied tokens).
+    final_sync: bool = True
+
+    def max_syncs(self, steps: int) -> int:
+        """How many outer steps a run of `steps` steps takes."""
+        return -(-steps // self.local_steps) if self.final_sync else steps // self.local_steps
 
     def __post_init__(self) -> None:
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
@@ -50,12 +57,24 @@ class OpenDiLoCo(Method):
     def __init__(self, ctx: MethodContext, cfg: OpenDiLoCoConfig):
         super().__init__(ctx, cfg)
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
+        self.steps_in_round = 0
+        self.synchronized_steps = 0
 
     def step(self, step: int) -> SyncReport | None:
         self.inner.step()
-        if (step + 1) % self.cfg.local_steps:
+        self.steps_in_round += 1
+        if self.steps_in_round < self.cfg.local_steps:
             return None
         return self._outer_step()
+
+    def finish(self) -> SyncReport | None:
+        """The partial last round's outer step (with final_sync), so the final theta_global holds every step."""
+        if self.cfg.final_sync and self.steps_in_round:
+            return self._outer_step()
+        return None
+
+    def applied_steps(self, trained_steps: int) -> int:
+        return self.synchronized_steps
 
     @torch.no_grad()
     def _outer_step(self) -> SyncReport:
@@ -70,7 +89,9 @@ class OpenDiLoCo(Method):
 
         self.outer.step(pseudo_grads)
         copy_into(self.global_params, self.params)
-        fields = {"pseudo_grad_norm": averaged.norm().item(), "local_steps": self.cfg.local_steps}
+        fields = {"pseudo_grad_norm": averaged.norm().item(), "local_steps": self.steps_in_round}
+        self.synchronized_steps += self.steps_in_round
+        self.steps_in_round = 0
         return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s, fields=fields)
 
     def optimizer_state_bytes(self) -> int:

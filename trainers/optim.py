@@ -66,8 +66,8 @@ def validate_outer(local_steps: int, outer_lr: float, outer_momentum: float) -> 
     """The DiLoCo family's round length and outer optimizer, checked with the flags' names."""
     if local_steps < 1:
         raise ValueError(f"--local-steps must be at least 1, got {local_steps}")
-    if not outer_lr > 0:
-        raise ValueError(f"--outer-lr must be positive, got {outer_lr}")
+    if not 0 < outer_lr < math.inf:
+        raise ValueError(f"--outer-lr must be a positive finite number, got {outer_lr}")
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"--outer-momentum must be in [0, 1), got {outer_momentum}")
 

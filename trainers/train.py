@@ -149,13 +149,17 @@ def train(
     window_steps = cfg.steps - cfg.throughput_warmup_steps
     window_s = window_end - window_start - (eval_s_total - eval_s_at_window_start)
     tail = losses[-min(10, len(losses)) :]
+    # Applied steps are a prefix of the run: those of the window are the ones after its warm-up steps.
+    applied_steps = method.applied_steps(cfg.steps)
     result = {
         "final_train_loss": sum(tail) / len(tail),
         "final_val_loss": val_loss,
         "window_steps": window_steps,
         "window_tokens": window_steps * tokens_per_step,
+        "window_applied_tokens": max(0, applied_steps - cfg.throughput_warmup_steps) * tokens_per_step,
         "window_s": window_s,
         "tokens": cfg.steps * tokens_per_step,
+        "applied_tokens": applied_steps * tokens_per_step,
         "optimizer_state_bytes": method.optimizer_state_bytes(),
         "wire_bytes": wire_bytes,
     }

@@ -139,3 +139,22 @@ def test_killed_harness_takes_its_workers_with_it(tmp_path):
     result = harness("cleanup", "--run-key", run_key)
     assert result.returncode == 0, result.stdout + result.stderr
     assert not [ns for ns in snapshot()["netns"] if ns.startswith(run_key)]
+
+
+@pytest.mark.parametrize(("final_sync", "applied_steps"), [("--final-sync", 20), ("--no-final-sync", 16)])
+def test_tokens_per_second_count_only_the_tokens_in_the_final_model(tmp_path, final_sync, applied_steps):
+    out = tmp_path / "run"
+    result = harness(
+        "run", "--profile", "1gbps", "--method", "dilocox", "--local-steps", 8, "--steps", 20,
+        "--throughput-warmup-steps", 2, final_sync, *SMALL_RUN, "--out", out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = summary_of(out)
+    tokens_per_step = 2 * 4 * 128
+    assert summary["trained_tokens"] == 20 * tokens_per_step
+    assert summary["applied_tokens"] == applied_steps * tokens_per_step
+    # Rounds end at steps 8 and 16; the partial round of 4 steps is exchanged in finish() or dropped.
+    assert summary["sync_count"] == (3 if applied_steps == 20 else 2)
+    ratio = summary["tokens_per_s"] / summary["trained_tokens_per_s"]
+    assert ratio == pytest.approx((applied_steps - 2) / (20 - 2))
+    assert summary["wire_bytes_per_token"] == pytest.approx(summary["wire_bytes"] / summary["applied_tokens"])
