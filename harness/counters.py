@@ -28,3 +28,15 @@ class LinkCounter:
 
     def close(self) -> None:
         self._ip.close()
+
+
+def tcp_counters() -> dict[str, int]:
+    """This network namespace's TCP segment counters (/proc/self/net/snmp: OutSegs, RetransSegs, ...).
+
+    Every rank of a cluster shares the namespace, so a stage-0 rank's difference over training is the cluster's.
+    Retransmitted segments cross the link again, and the wire counters count them: they explain wire bytes above
+    the method's payload.
+    """
+    lines = [line.split() for line in open("/proc/self/net/snmp") if line.startswith("Tcp:")]
+    names, values = lines[0][1:], lines[1][1:]
+    return {name: int(value) for name, value in zip(names, values, strict=True)}

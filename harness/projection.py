@@ -155,7 +155,7 @@ class Regime:
                 f"regime-matched to {self.target.name}: AllReduce of model {self.model} communicates "
                 f"{self.target.comm_to_compute:.1f}x as long as it computes"
             ),
-            "inter_cluster": {"rate": f"{self.rate_bps}bit", "burst": "256kb"},
+            "inter_cluster": {"rate": f"{self.rate_bps}bit"},
             "intra_cluster": {},
         }
         return comments + yaml.safe_dump(body, sort_keys=False)

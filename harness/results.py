@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import RunConfig
+from harness.conformance import conforms, max_excess
 from harness.errors import UserError
 from harness.events import read_events
+from harness.profiles import default_burst_bytes
 from trainers.models import count_parameters, get_model_config
 
 DEFAULT_RUNS_DIR = Path("results") / "runs"
@@ -240,6 +242,13 @@ def _hidden_fraction(syncs: list[dict[str, Any]]) -> float | None:
     return overlapped / (blocked + overlapped) if blocked + overlapped > 0 else None
 
 
+def _wire_samples(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
+    """(time, bytes sent since training started) at the start of training and at the end of every step."""
+    steps = [e for e in events if e["kind"] == "step" and "wire_bytes" in e]
+    # The counter's zero was read just before the first step started.
+    return [(steps[0]["t"] - steps[0]["step_s"], 0)] + [(e["t"], e["wire_bytes"]) for e in steps] if steps else []
+
+
 def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_record: dict[str, Any]) -> dict:
     """summary.json: the run's headline figures, from the ranks' results and events."""
     world = config.clusters * config.stages
@@ -268,6 +277,15 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
     wire = from_ranks("wire_bytes", first_stage)
     tokens = steps[-1]["tokens"] if steps else 0
     exchanges = [e for e in syncs if e.get("sync_payload_bytes")]
+    link = config.profile.inter_cluster
+    excess = None
+    if link.rate_bps is not None and config.clusters > 1:
+        per_cluster = [
+            max_excess(_wire_samples(events[r]), link.rate_bps, default_burst_bytes(link.rate_bps)) for r in first_stage
+        ]
+        excess = max((x for x in per_cluster if x is not None), default=None)
+    retransmitted = from_ranks("tcp_retransmitted_segments", first_stage)
+    out_segments = from_ranks("tcp_out_segments", first_stage)
     summary = {
         "schema": SUMMARY_SCHEMA,
         "run_id": config.run_id,
@@ -295,6 +313,11 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "wire_bytes_per_token": (
             sum(wire) / applied_tokens if wire and applied_tokens and config.clusters > 1 else None
         ),
+        "link_burst_bytes": link.burst_bytes if link.rate_bps is not None else None,
+        "link_max_excess": excess,
+        "link_conforms": conforms(excess),
+        "tcp_retransmitted_segments": sum(retransmitted) if retransmitted else None,
+        "tcp_retransmit_fraction": sum(retransmitted) / sum(out_segments) if sum(out_segments or [0]) else None,
         "payload_bytes": sum(
             e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r] if e["kind"] in ("step", "finish")
         ),

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from harness.config import RunConfig
-from harness.counters import LinkCounter
+from harness.counters import LinkCounter, tcp_counters
 from harness.events import EventWriter
 from harness.process import set_parent_death_signal
 from harness.topology import Topology
@@ -162,6 +162,7 @@ def main() -> int:
                     par.data_parallel_group, config.profile.inter_cluster.rate_bps, par.device, log
                 )
             dist.barrier()
+        tcp_before = tcp_counters() if counter else None
         if config.mode == "train":
             result.update(
                 train(
@@ -173,6 +174,10 @@ def main() -> int:
                     counter.tx_bytes if counter else None,
                 )
             )
+        if tcp_before is not None:
+            tcp_after = tcp_counters()
+            result["tcp_out_segments"] = tcp_after["OutSegs"] - tcp_before["OutSegs"]
+            result["tcp_retransmitted_segments"] = tcp_after["RetransSegs"] - tcp_before["RetransSegs"]
         (args.run_dir / "ranks").mkdir(exist_ok=True)
         (args.run_dir / "ranks" / f"rank{rank}.json").write_text(json.dumps(result))
         dist.destroy_process_group()

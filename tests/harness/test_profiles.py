@@ -68,11 +68,12 @@ def test_unshaped_has_no_rate_and_needs_nothing():
 @pytest.mark.parametrize(
     ("name", "bps", "burst"),
     [
-        ("10mbps", 10**7, 16 * 1024),
+        # The shipped profiles take the rate-true default: 2 ms of line time, at least a 64 KiB GSO segment.
+        ("10mbps", 10**7, 64 * 1024),
         ("100mbps", 10**8, 64 * 1024),
-        ("500mbps", 5 * 10**8, 256 * 1024),
-        ("1gbps", 10**9, 256 * 1024),
-        ("10gbps", 10**10, 1024**2),
+        ("500mbps", 5 * 10**8, 125_000),
+        ("1gbps", 10**9, 250_000),
+        ("10gbps", 10**10, 2_500_000),
     ],
 )
 def test_rate_profiles(name, bps, burst):
@@ -95,7 +96,7 @@ def test_wan_profile_needs_netem():
 
 
 def test_describe_and_format_rate():
-    assert load_profile("1gbps").inter_cluster.describe() == "1 Gbit/s (burst 256 KiB)"
+    assert load_profile("1gbps").inter_cluster.describe() == "1 Gbit/s (burst 244 KiB = 2.0 ms)"
     assert format_rate(1.5e9) == "1.5 Gbit/s"
     assert format_rate(5e8) == "500 Mbit/s"
     assert format_rate(8e3) == "8 kbit/s"
