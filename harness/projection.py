@@ -37,11 +37,13 @@ Consequence worth knowing before a sweep: in this regime an AllReduce step takes
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import shutil
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,8 +62,16 @@ from trainers.models import count_parameters, get_model_config
 GRADIENT_BYTES_PER_PARAM = 4  # AllReduce reduces fp32 gradients
 # The workers' collective timeout unless HARNESS_TIMEOUT_S says otherwise (harness/worker.py).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300
-MEASURE_STEPS = 8
-MEASURE_WARMUP_STEPS = 3
+# T_c: enough `local` steps that the median is steady (8 steps read 18.9 ms where the sweep's runs stepped in 13 ms).
+MEASURE_STEPS = 40
+MEASURE_WARMUP_STEPS = 5
+# Closed loop: short `local` and `allreduce` runs on the derived link measure the achieved R, and the rate is
+# corrected (T_comm ~ 1 / rate) until the achieved R is within REGIME_TOLERANCE of the target.
+REGIME_TOLERANCE = 0.10
+MAX_CORRECTIONS = 4
+PROBE_LOCAL_STEPS = 30
+PROBE_ALLREDUCE_STEPS = 6
+PROBE_WARMUP_STEPS = 2
 
 
 class RegimeError(UserError):
@@ -100,6 +110,20 @@ def get_target(name: str) -> RegimeTarget:
 
 
 @dataclass(frozen=True)
+class Probe:
+    """One closed-loop measurement: `local` and `allreduce` tokens/s on a link of `rate_bps`."""
+
+    rate_bps: int
+    local_tokens_per_s: float
+    allreduce_tokens_per_s: float
+
+    @property
+    def achieved_r(self) -> float:
+        """R = X_local / X_allreduce - 1, as measured (module doc)."""
+        return self.local_tokens_per_s / self.allreduce_tokens_per_s - 1
+
+
+@dataclass(frozen=True)
 class Regime:
     """The derived link for one model and cluster shape."""
 
@@ -109,6 +133,7 @@ class Regime:
     param_count: int
     compute_s: float  # T_c, measured
     tokens_per_step: int
+    probes: tuple[Probe, ...] = ()  # the closed loop's measurements, in order; the last is at rate_bps
 
     @property
     def payload_bytes(self) -> int:
@@ -116,8 +141,40 @@ class Regime:
         return allreduce_payload_bytes(GRADIENT_BYTES_PER_PARAM * self.param_count, self.clusters)
 
     @property
-    def rate_bps(self) -> int:
+    def open_loop_rate_bps(self) -> int:
+        """rate = 8 P / (R T_c): the link the derivation predicts."""
         return round(8 * self.payload_bytes / (self.target.comm_to_compute * self.compute_s))
+
+    @property
+    def rate_bps(self) -> int:
+        """The link the closed loop settled on (the open-loop rate when nothing was measured)."""
+        return self.probes[-1].rate_bps if self.probes else self.open_loop_rate_bps
+
+    @property
+    def achieved_r(self) -> float | None:
+        return self.probes[-1].achieved_r if self.probes else None
+
+    @property
+    def converged(self) -> bool:
+        return (
+            self.achieved_r is not None and abs(self.achieved_r / self.target.comm_to_compute - 1) <= REGIME_TOLERANCE
+        )
+
+    def record(self) -> dict[str, Any]:
+        """regime.json: what was targeted, measured and corrected."""
+        return {
+            "target": self.target.name,
+            "target_r": self.target.comm_to_compute,
+            "achieved_r": self.achieved_r,
+            "converged": self.converged,
+            "tolerance": REGIME_TOLERANCE,
+            "rate_bps": self.rate_bps,
+            "open_loop_rate_bps": self.open_loop_rate_bps,
+            "compute_s": self.compute_s,
+            "model": self.model,
+            "clusters": self.clusters,
+            "probes": [{**dataclasses.asdict(p), "achieved_r": p.achieved_r} for p in self.probes],
+        }
 
     @property
     def allreduce_step_s(self) -> float:
@@ -133,7 +190,15 @@ class Regime:
             f"model {self.model}: N = {self.param_count:,} parameters, {self.clusters} clusters",
             f"P = 2(n-1)/n * 4 B * N = {self.payload_bytes:,} bytes per step per uplink",
             f"T_c = {self.compute_s:.4f} s per step (measured, median of `local` steps)",
-            f"rate = 8 P / (R T_c) = {format_rate(self.rate_bps)} ({self.rate_bps:,} bit/s)",
+            f"rate = 8 P / (R T_c) = {format_rate(self.open_loop_rate_bps)} ({self.open_loop_rate_bps:,} bit/s)",
+            *(
+                f"closed loop {i}: at {format_rate(p.rate_bps)} local {p.local_tokens_per_s:,.0f} and allreduce "
+                f"{p.allreduce_tokens_per_s:,.1f} tokens/s: achieved R = {p.achieved_r:.1f}"
+                for i, p in enumerate(self.probes, start=1)
+            ),
+            f"link: {format_rate(self.rate_bps)} ({self.rate_bps:,} bit/s); achieved R "
+            + (f"{self.achieved_r:.1f} vs target {r:.1f}" if self.achieved_r is not None else "not measured")
+            + ("" if self.converged or not self.probes else f": NOT within {REGIME_TOLERANCE:.0%}"),
             f"predicted: compute ceiling {self.tokens_per_step / self.compute_s:,.0f} tokens/s, AllReduce "
             f"{self.tokens_per_step / self.allreduce_step_s:,.1f} tokens/s ({self.allreduce_step_s:.1f} s/step)",
         ]
@@ -180,9 +245,54 @@ def measure_compute_s(run_dir: Path, stages: int, clusters: int, warmup_steps: i
     return statistics.median(times)
 
 
+def _fresh(run_dir: Path) -> Path:
+    """A measurement is redone from scratch: an earlier one (or its staging folder) would block the runner."""
+    for stale in (run_dir, RunFolder(run_dir).staging):
+        if stale.exists():
+            shutil.rmtree(stale)
+    return run_dir
+
+
+def _run(method: str, profile: str, settings: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
+    summary = runner.run(build_config(method, profile, 0, settings), _fresh(run_dir))
+    if summary["status"] != "ok":
+        raise RegimeError(f"the {method} measurement failed: {summary['failure']} (see {summary['results_dir']})")
+    return summary
+
+
+def probe(rate_bps: int, settings: Mapping[str, Any], work_dir: Path, index: int) -> Probe:
+    """Achieved R on a link of rate_bps: short `local` and `allreduce` runs, tokens/s after their warm-up."""
+    profile = work_dir / f"probe{index}.yaml"
+    profile.write_text(yaml.safe_dump({"description": "regime probe", "inter_cluster": {"rate": f"{rate_bps}bit"}}))
+    short = {**settings, "eval_every": 10**6, "eval_batches": 1, "throughput_warmup_steps": PROBE_WARMUP_STEPS}
+    local = _run("local", str(profile), {**short, "steps": PROBE_LOCAL_STEPS}, work_dir / f"probe{index}-local")
+    allreduce = _run(
+        "allreduce", str(profile), {**short, "steps": PROBE_ALLREDUCE_STEPS}, work_dir / f"probe{index}-allreduce"
+    )
+    return Probe(rate_bps, local["tokens_per_s"], allreduce["tokens_per_s"])
+
+
+def closed_loop(regime: Regime, measure: Callable[[int, int], Probe]) -> Regime:
+    """Correct the rate until the achieved R is within REGIME_TOLERANCE of the target (at most MAX_CORRECTIONS
+    probes; the closest one is kept if none is). T_comm scales as 1 / rate, so rate *= achieved R / target R."""
+    target_r = regime.target.comm_to_compute
+    probes: list[Probe] = []
+    rate = regime.open_loop_rate_bps
+    for index in range(MAX_CORRECTIONS):
+        probes.append(measure(rate, index))
+        if abs(probes[-1].achieved_r / target_r - 1) <= REGIME_TOLERANCE:
+            break
+        rate = round(rate * probes[-1].achieved_r / target_r)
+    best = min(probes, key=lambda p: abs(p.achieved_r / target_r - 1))
+    # The kept probe last: rate_bps and achieved_r read it.
+    return dataclasses.replace(regime, probes=(*[p for p in probes if p is not best], best))
+
+
 def derive_regime(target_name: str, settings: Mapping[str, Any], work_dir: Path) -> Regime:
-    """Measure T_c with a short `local` run in work_dir/measure-compute, then derive the link (module doc)."""
+    """Measure T_c with a `local` run in work_dir/measure-compute, derive the link (module doc), then correct it
+    closed-loop against short `local` and `allreduce` runs on it; writes work_dir/regime.json."""
     target = get_target(target_name)
+    work_dir.mkdir(parents=True, exist_ok=True)
     measure = {
         **settings,
         "steps": MEASURE_STEPS,
@@ -191,18 +301,11 @@ def derive_regime(target_name: str, settings: Mapping[str, Any], work_dir: Path)
         "eval_batches": 1,
     }
     config = build_config("local", "unshaped", 0, measure)
-    run_dir = work_dir / "measure-compute"
-    # A measurement is redone from scratch: an earlier one (or its interrupted staging folder) would block the runner.
-    for stale in (run_dir, RunFolder(run_dir).staging):
-        if stale.exists():
-            shutil.rmtree(stale)
-    summary = runner.run(config, run_dir)
-    if summary["status"] != "ok":
-        raise RegimeError(f"the compute measurement failed: {summary['failure']} (see {summary['results_dir']})")
+    summary = _run("local", "unshaped", measure, work_dir / "measure-compute")
     compute_s = measure_compute_s(Path(summary["results_dir"]), config.stages, config.clusters, MEASURE_WARMUP_STEPS)
     model = get_model_config(config.train.model)
     seq_len = config.train.seq_len or model.max_seq_len
-    return Regime(
+    regime = Regime(
         target=target,
         model=model.name,
         clusters=config.clusters,
@@ -210,11 +313,16 @@ def derive_regime(target_name: str, settings: Mapping[str, Any], work_dir: Path)
         compute_s=compute_s,
         tokens_per_step=config.clusters * config.train.batch_size * seq_len,
     )
+    regime = closed_loop(regime, lambda rate, index: probe(rate, settings, work_dir, index))
+    (work_dir / "regime.json").write_text(json.dumps(regime.record(), indent=2) + "\n")
+    return regime
 
 
 def write_regime_profile(regime: Regime, path: Path) -> Path:
+    """The profile YAML, and beside it (same name, .json) the regime's record: target_r, achieved_r, probes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(regime.profile_yaml())
+    path.with_suffix(".json").write_text(json.dumps(regime.record(), indent=2) + "\n")
     return path
 
 

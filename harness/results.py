@@ -242,6 +242,15 @@ def _hidden_fraction(syncs: list[dict[str, Any]]) -> float | None:
     return overlapped / (blocked + overlapped) if blocked + overlapped > 0 else None
 
 
+def _regime_target_r(profile_source: str) -> float | None:
+    """R_target of a regime-matched profile: its record (harness/projection.py) lies beside it as .json."""
+    record = Path(profile_source).with_suffix(".json") if profile_source else None
+    try:
+        return float(json.loads(record.read_text())["target_r"]) if record and record.is_file() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _wire_samples(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
     """(time, bytes sent since training started) at the start of training and at the end of every step."""
     steps = [e for e in events if e["kind"] == "step" and "wire_bytes" in e]
@@ -314,6 +323,7 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
             sum(wire) / applied_tokens if wire and applied_tokens and config.clusters > 1 else None
         ),
         "link_burst_bytes": link.burst_bytes if link.rate_bps is not None else None,
+        "regime_target_r": _regime_target_r(config.profile.source),
         "link_max_excess": excess,
         "link_conforms": conforms(excess),
         "tcp_retransmitted_segments": sum(retransmitted) if retransmitted else None,
