@@ -1,7 +1,9 @@
 """The comparison figures, PNG and SVG, one set per comparable group of runs (harness/report.py's GROUP_KEYS).
 
-    loss-<group>        validation loss vs tokens and vs training wall-clock, per method (mean over seeds)
-    throughput-<group>  tokens/s per method on a log axis, each bar labelled with its ratio to AllReduce
+    loss-<group>        validation loss vs tokens and vs training wall-clock, per method: the mean over its n runs,
+                        with a ± 1 std band only where n >= 2 (each legend entry says n)
+    throughput-<group>  applied tokens/s per method on a log axis, each bar labelled with its ratio to AllReduce and
+                        n; error bars as the report's: the 95% interval of the mean (n >= 3), the range (n = 2)
     breakdown-<group>   where a training step's time goes: compute, communication the training thread waited for
                         (blocked), and communication that ran during compute (overlapped, hidden)
 
@@ -72,14 +74,17 @@ def loss_figure(group: pd.DataFrame, evals: pd.DataFrame, colors: dict[str, str]
     # Slow baselines on a regime-matched link take hundreds of times longer; a linear axis would hide the rest.
     log_time = bool(finals) and min(finals) > 0 and max(finals) / min(finals) > 20
     for variant, (n, mean, std) in curves.items():
-        label = f"{variant} (n={n})" + (", unsynchronized" if variant == CEILING else "")
+        # One run has no spread to show: no band, and the legend says so.
+        label = f"{variant} (n={n}" + (", band ± 1 std)" if n >= 2 else ", no band)")
+        label += ", unsynchronized" if variant == CEILING else ""
         # The ceiling is drawn dashed: its loss is one unsynchronized replica's, not a trained global model's.
         style = "o--" if variant == CEILING else "o-"
         by_tokens.plot(mean["tokens"], mean["val_loss"], style, ms=3, color=colors[variant], label=label)
-        by_tokens.fill_between(
-            mean["tokens"], mean["val_loss"] - std["val_loss"], mean["val_loss"] + std["val_loss"],
-            color=colors[variant], alpha=0.15, linewidth=0,
-        )  # fmt: skip
+        if n >= 2:
+            by_tokens.fill_between(
+                mean["tokens"], mean["val_loss"] - std["val_loss"], mean["val_loss"] + std["val_loss"],
+                color=colors[variant], alpha=0.15, linewidth=0,
+            )  # fmt: skip
         # The evaluation before training (at 0 s) has no place on a log axis.
         timed = mean[mean["elapsed_s"] > 0] if log_time else mean
         by_time.plot(timed["elapsed_s"], timed["val_loss"], style, ms=3, color=colors[variant], label=label)
@@ -94,8 +99,8 @@ def loss_figure(group: pd.DataFrame, evals: pd.DataFrame, colors: dict[str, str]
     by_tokens.xaxis.set_major_formatter(EngFormatter(sep=""))
     for ax in (by_tokens, by_time):
         ax.grid(alpha=0.3)
-    by_tokens.legend(title="method (seeds)", fontsize=9)
-    fig.suptitle(_title("Validation loss (mean over seeds; band: ± 1 std)", group))
+    by_tokens.legend(title="method (n runs)", fontsize=9)
+    fig.suptitle(_title("Validation loss (mean over a method's n runs; band: ± 1 std where n ≥ 2)", group))
     fig.tight_layout()
     return fig
 
@@ -105,29 +110,35 @@ def throughput_figure(group: pd.DataFrame, compared: pd.DataFrame, colors: dict[
     fig = Figure(figsize=(max(6.0, 1.5 * len(rows) + 2), 5))
     ax = fig.subplots()
     x = range(len(rows))
+    # The report's interval: 95% of the mean (n >= 3) or the range (n = 2); none at all (NaN) for one run.
+    below = (rows["tokens_per_s"] - rows["tokens_per_s_low"]).clip(lower=0.0)
+    above = (rows["tokens_per_s_high"] - rows["tokens_per_s"]).clip(lower=0.0)
     ax.bar(
-        x, rows["tokens_per_s"], yerr=rows["tokens_per_s_std"].fillna(0.0), capsize=4,
+        x, rows["tokens_per_s"], yerr=[below.to_numpy(), above.to_numpy()], capsize=4,
         color=[colors[v] for v in rows.index], edgecolor="black", linewidth=0.5,
     )  # fmt: skip
     ax.set_yscale("log")
     has_baseline = BASELINE in rows.index
+    tops = rows["tokens_per_s"] + above.fillna(0.0)
     for i, (_, row) in enumerate(rows.iterrows()):
         ratio = f"{row['ratio_to_allreduce']:.3g}x" if has_baseline else ""
         ax.annotate(
-            f"{ratio}\n{row['tokens_per_s']:,.0f} tok/s".strip(),
-            (i, row["tokens_per_s"]), xytext=(0, 6), textcoords="offset points",
+            f"{ratio}\n{row['tokens_per_s']:,.0f} tok/s\nn={row['runs']}".strip(),
+            (i, tops.iloc[i]), xytext=(0, 6), textcoords="offset points",
             ha="center", va="bottom", fontsize=9, fontweight="bold",
         )  # fmt: skip
-    low, high = rows["tokens_per_s"].min(), rows["tokens_per_s"].max()
-    ax.set_ylim(low / 3, high * 3)  # room for the labels above the tallest bar on a log axis
+    # A wide interval of few runs can reach below zero, which a log axis cannot show: stop at a tenth of the bar.
+    bottoms = (rows["tokens_per_s"] - below.fillna(0.0)).clip(lower=rows["tokens_per_s"] / 10)
+    ax.set_ylim(bottoms.min() / 3, tops.max() * 4)  # room for the labels above the tallest bar on a log axis
     ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
     ax.yaxis.set_major_formatter(EngFormatter(sep=""))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xticks(list(x), [v.replace(" ", "\n") for v in rows.index])
-    ax.set_ylabel("throughput (tokens/s, log scale)")
+    ax.set_ylabel("applied throughput (tokens/s, log scale)")
     ax.grid(axis="y", which="both", alpha=0.3)
     subtitle = "labels: ratio to allreduce on the same link" if has_baseline else "no allreduce run to compare with"
-    ax.set_title(_title(f"Training throughput (mean over seeds; {subtitle})", group), fontsize=10)
+    bars = "bars: 95% interval of the mean for n ≥ 3, range for n = 2"
+    ax.set_title(_title(f"Training throughput (mean over n runs; {subtitle})\n{bars}", group), fontsize=10)
     fig.tight_layout()
     return fig
 

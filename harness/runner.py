@@ -21,6 +21,7 @@ from harness.backends import ClusterBackend, Worker, make_backend
 from harness.config import RunConfig
 from harness.errors import UserError
 from harness.events import EventTail, read_events
+from harness.ownership import RunLock
 from harness.results import DEFAULT_RUNS_DIR, RunFolder, environment, summarize
 from harness.shaping import probe_qdiscs
 from harness.topology import Topology
@@ -124,6 +125,13 @@ def run(
     `summary["interrupted_by"]` names the signal (SIGINT, SIGTERM) that stopped the run, if one did.
     """
     folder = validate(config, out)
+    # Held from before anything is created until everything is removed and the results are in place: while it is
+    # held, `harness cleanup` leaves this run alone; if the harness dies, however it dies, the kernel releases it.
+    with RunLock(config.run_key, staging=folder.staging):
+        return _run(config, folder, on_progress)
+
+
+def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
     run_dir = folder.create()
     topology = Topology(config.clusters, config.stages)
     cluster = make_backend(config.backend, config.run_key, topology, config.profile, config.gpus)

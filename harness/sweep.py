@@ -2,13 +2,20 @@
 
 Layout of a sweep folder OUT:
 
-    OUT/sweep.json           the settings every run shares (a resumed sweep must be given the same ones)
+    OUT/sweep.json           the settings every run shares (a resumed sweep must be given the same ones) and
+                             "command", the command line that made (or last resumed) the sweep
     OUT/index.csv            one row per combination: its settings, status, failure, path relative to OUT
     OUT/runs/<name>/         one ordinary results folder per combination (harness/results.py)
     OUT/profiles/*.yaml      profiles the sweep derived itself (regime matching, harness/projection.py)
 
 A run's name is ``<method>-<profile>-s<seed>`` followed by ``-<key>=<value>`` for each varied setting and ``-r<i>``
-for repeats. Resuming: a combination whose folder holds a summary with status "ok" is skipped unless forced; any
+for repeats.
+
+Order: round-robin. Seeds (and repeats of a seed) are the outermost loop, then profiles, then methods with their
+swept values, so one seed's methods run back to back: a slow moment of a shared machine falls on every method
+alike instead of on whichever method ran then.
+
+Resuming goes by name: a combination whose folder holds a summary with status "ok" is skipped unless forced; any
 other combination is run again from scratch, after its failed folder and any ``.<name>.partial`` staging folder left
 by an interrupted run are removed, because the runner refuses to write over either.
 
@@ -159,11 +166,12 @@ class SweepSpec:
     repeats: int = 1
 
     def combinations(self) -> list[Combination]:
-        """Every distinct run, in order; a method that lacks a swept option is run once, not once per value."""
+        """Every distinct run, in the order they run (module doc: seed and repeat outermost, then profile, then
+        method and swept values); a method that lacks a swept option is run once, not once per value."""
         keys = [key for key, _ in self.grid]
         seen: dict[str, Combination] = {}
-        for method, profile, seed, values, repeat in product(
-            self.methods, self.profiles, self.seeds, product(*(v for _, v in self.grid)), range(self.repeats)
+        for seed, repeat, profile, method, values in product(
+            self.seeds, range(self.repeats), self.profiles, self.methods, product(*(v for _, v in self.grid))
         ):
             varied = tuple((k, v) for k, v in zip(keys, values, strict=True) if applies_to(k, method))
             combo = Combination(method, profile, seed, varied, repeat, self.repeats)
@@ -276,8 +284,9 @@ def finished_ok(run_dir: Path) -> dict[str, Any] | None:
     return summary if summary.get("status") == "ok" else None
 
 
-def _check_settings(out: Path, spec: SweepSpec, force: bool) -> None:
-    """A resumed sweep must share its runs' settings, or its table would compare unlike runs."""
+def _check_settings(out: Path, spec: SweepSpec, force: bool, command: str | None = None) -> None:
+    """A resumed sweep must share its runs' settings, or its table would compare unlike runs. Writes sweep.json
+    with the settings and `command`, the command line that makes the sweep (None when not run from one)."""
     path = out / "sweep.json"
     shared = {**spec.settings, "per_method": {m: dict(o) for m, o in spec.per_method.items() if o}}
     settings = json.loads(json.dumps(shared, default=str))
@@ -289,7 +298,7 @@ def _check_settings(out: Path, spec: SweepSpec, force: bool) -> None:
                 "pass the same flags to resume it, another --out, or --force to redo it"
             )
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": settings}, indent=2) + "\n")
+    path.write_text(json.dumps({"settings": settings, "command": command}, indent=2) + "\n")
 
 
 def write_index(out: Path, rows: Sequence[IndexRow]) -> Path:
@@ -321,11 +330,18 @@ def _run_one(spec: SweepSpec, combo: Combination, out: Path, observer: SweepObse
     return IndexRow(combo, summary["status"], relative, summary.get("failure"), summary.get("tokens_per_s"))
 
 
-def run_sweep(spec: SweepSpec, out: Path, force: bool = False, observer: SweepObserver | None = None) -> list[IndexRow]:
-    """Run every combination not already finished; index.csv is rewritten after each run."""
+def run_sweep(
+    spec: SweepSpec,
+    out: Path,
+    force: bool = False,
+    observer: SweepObserver | None = None,
+    command: str | None = None,
+) -> list[IndexRow]:
+    """Run every combination not already finished; index.csv is rewritten after each run. `command`, the command
+    line that makes this sweep, is recorded in sweep.json so the sweep can be regenerated from it."""
     spec.validate()
     observer = observer or SilentObserver()
-    _check_settings(out, spec, force)
+    _check_settings(out, spec, force, command)
     combos = spec.combinations()
     rows: list[IndexRow] = []
     for position, combo in enumerate(combos, start=1):

@@ -352,8 +352,11 @@ class DockerCluster:
         self.teardown_s = time.perf_counter() - started
 
 
-def _remove_run(client: docker.DockerClient, run_key: str) -> list[str]:
-    """Remove the containers (ranks before the cluster containers they join) and network of `run_key`."""
+def _remove_run(
+    client: docker.DockerClient, run_key: str, report: harness.ownership.CleanupReport | None = None
+) -> list[str]:
+    """Remove the containers (ranks before the cluster containers they join) and network of `run_key`; returns their
+    names, and adds them to `report`'s containers and networks when given."""
     selector = {"label": f"{RUN_KEY_LABEL}={run_key}"}
     removed = []
     containers = client.containers.list(all=True, filters=selector)
@@ -362,6 +365,8 @@ def _remove_run(client: docker.DockerClient, run_key: str) -> list[str]:
             try:
                 container.remove(force=True)
                 removed.append(container.name)
+                if report is not None:
+                    report.containers.append(container.name)
             except docker.errors.NotFound:
                 pass
     for network in client.networks.list(filters=selector):
@@ -369,34 +374,72 @@ def _remove_run(client: docker.DockerClient, run_key: str) -> list[str]:
             try:
                 network.remove()
                 removed.append(network.name)
+                if report is not None:
+                    report.networks.append(network.name)
             except docker.errors.NotFound:
                 pass
     return removed
 
 
-def _harness_alive(pid: str) -> bool:
+def _harness_alive(pid: str, created: float | None = None) -> bool:
+    """Whether process `pid` (an owner label) is a harness that was already running at `created` (when the labelled
+    object was made, seconds since the epoch). The kernel reuses pids: a process that started after the object was
+    made is not its owner, whatever its command line."""
     try:
-        return b"harness" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
+        if not pid.isdigit() or b"harness" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        if created is None:
+            return True
+        # Field 22 of /proc/<pid>/stat, the start in clock ticks after boot; the command (field 2) may hold spaces.
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
+        # btime has a resolution of one second.
+        return boot + ticks / os.sysconf("SC_CLK_TCK") <= created + 2.0
+    except (OSError, ValueError, IndexError, StopIteration):
         return False
 
 
-def cleanup(run_key: str | None = None) -> list[str]:
-    """Remove containers and networks left by a harness that was killed (SIGKILL leaves no chance to tear down).
+def cleanup(run_key: str | None = None, report: harness.ownership.CleanupReport | None = None) -> list[str]:
+    """Remove the containers and networks of runs whose harness died without tearing down (SIGKILL); returns their
+    names (and adds them to `report` when given).
 
-    Only objects labelled with a run key are considered, and never those of a run whose harness still lives. With
-    `run_key`, only that run's. Returns the names removed.
+    Only objects labelled with a run key are considered. Ownership decides (harness/ownership.py): a run's objects are
+    removed when its lock file exists and is free (its owner is dead), kept when the lock is held; a run without a
+    lock file (a harness of an older version) is kept while its owner pid label names a harness process that was
+    running when the objects were made. With `run_key`, only that run's.
     """
+    import re
+    from datetime import datetime
+
+    from harness.ownership import RUN_KEY, owner_alive
+
+    def created_at(text: str | None) -> float | None:
+        # The engine writes "2026-01-31T12:34:56.123456789Z" (or an offset), more digits than Python parses.
+        match = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.\d+)?(Z|[+-]\d\d:\d\d)?$", text or "")
+        if not match:
+            return None
+        zone = match.group(2) or "Z"
+        return datetime.fromisoformat(match.group(1) + ("+00:00" if zone == "Z" else zone)).timestamp()
+
     client = docker.from_env()
     try:
         selector = {"label": f"{RUN_KEY_LABEL}={run_key}" if run_key else RUN_KEY_LABEL}
-        labels = [c.labels for c in client.containers.list(all=True, filters=selector)]
-        labels += [n.attrs["Labels"] for n in client.networks.list(filters=selector)]
-        owners = {label[RUN_KEY_LABEL]: label.get(OWNER_LABEL, "") for label in labels}
+        found = [(c.labels, c.attrs.get("Created")) for c in client.containers.list(all=True, filters=selector)]
+        found += [(n.attrs.get("Labels") or {}, n.attrs.get("Created")) for n in client.networks.list(filters=selector)]
+        owners: dict[str, list[tuple[str, float | None]]] = {}
+        for labels, created in found:
+            key = labels.get(RUN_KEY_LABEL, "")
+            if RUN_KEY.match(key):  # anything else is not a run of ours
+                owners.setdefault(key, []).append((labels.get(OWNER_LABEL, ""), created_at(created)))
         removed = []
-        for key, owner in sorted(owners.items()):
-            if not _harness_alive(owner):
-                removed += _remove_run(client, key)
+        for key, owned in sorted(owners.items()):
+            alive = owner_alive(key)
+            if alive is None:
+                alive = any(_harness_alive(pid, created) for pid, created in owned)
+            if not alive:
+                removed += _remove_run(client, key, report)
         return removed
     finally:
         client.close()

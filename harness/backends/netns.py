@@ -231,28 +231,72 @@ class NetnsCluster:
 
 
 def _processes_in(ns_path: Path) -> list[int]:
-    inode = ns_path.stat().st_ino
+    """PIDs of the processes whose network namespace is the one bound at `ns_path` (raises OSError when it cannot be
+    read, e.g. PermissionError for a user who is not root)."""
+    ns = ns_path.stat()
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and (entry / "ns" / "net").stat().st_ino == inode:
-                pids.append(int(entry.name))
+            if entry.name.isdigit():
+                net = (entry / "ns" / "net").stat()
+                if (net.st_dev, net.st_ino) == (ns.st_dev, ns.st_ino):
+                    pids.append(int(entry.name))
         except OSError:
             continue
     return pids
 
 
-def cleanup(run_key: str | None = None) -> list[str]:
-    """Remove namespaces left by a harness that was killed (SIGKILL leaves no chance to tear down).
+def cleanup(run_key: str | None = None, not_checked: list[str] | None = None) -> list[str]:
+    """Remove the namespaces of runs whose harness died without tearing down (SIGKILL); returns the names removed.
 
-    Only names this backend creates are considered, and only those no process still lives in: a namespace of a
-    run in progress is never touched. With `run_key`, only that run's. Returns the names removed.
+    Ownership decides, not emptiness (a run's switch namespace never has a process, nor do its cluster namespaces
+    before the workers start): a run's namespaces, all of them, are removed when its lock file exists and is free
+    (harness/ownership.py: its owner is dead), or when it has no lock file (a harness of an older version) and no
+    process lives in any of them. A run whose lock is held is never touched. With `run_key`, only that run's.
+
+    /run/netns is root's: another user cannot tell whether their run lives nor remove them, so they are skipped and
+    a sentence saying so is appended to `not_checked` (as is one for namespaces that could not be read or removed).
     """
-    removed = []
-    for name in sorted(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else []:
+    from harness.ownership import owner_alive
+
+    not_checked = [] if not_checked is None else not_checked
+    try:
+        names = sorted(os.listdir(NETNS_DIR)) if NETNS_DIR.is_dir() else []
+    except OSError as err:
+        not_checked.append(f"namespaces not checked: cannot list {NETNS_DIR} ({err.strerror})")
+        names = []
+    runs: dict[str, list[str]] = {}
+    for name in names:
         match = OWN_NETNS.match(name)
-        if not match or (run_key and match.group(1) != run_key) or _processes_in(NETNS_DIR / name):
+        if match and (not run_key or match.group(1) == run_key):
+            runs.setdefault(match.group(1), []).append(name)
+    if runs and os.geteuid() != 0:
+        listed = ", ".join(n for key in sorted(runs) for n in runs[key])
+        not_checked.append(
+            f"namespaces under {NETNS_DIR} not checked ({listed}): they belong to root, and only root can tell "
+            "whether their run still lives and remove them; run `harness cleanup` as root (sudo)"
+        )
+        return []
+    removed = []
+    for key, own in sorted(runs.items()):
+        alive = owner_alive(key)
+        if alive is None:
+            try:
+                alive = any(_processes_in(NETNS_DIR / name) for name in own)
+            except FileNotFoundError:
+                alive = True  # a namespace vanished as we looked: whoever removes them is at work; look again later
+            except OSError as err:
+                not_checked.append(f"namespaces of run {key} not checked ({err.strerror}); they were kept")
+                continue
+        if alive:
             continue
-        netns.remove(name)
-        removed.append(name)
+        # In the order down() removes them: the clusters', then the switch (their veths go with either end).
+        for name in sorted(own, key=lambda n: n.endswith("-sw")):
+            try:
+                netns.remove(name)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                not_checked.append(f"namespace {name} not removed ({err.strerror})")
     return removed

@@ -8,7 +8,7 @@ readers see exactly the layout a real run leaves. The numbers are chosen by the 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from harness.results import summarize
@@ -33,10 +33,17 @@ def write_run(
     finish_blocked_s: float = 0.0,
     options: dict | None = None,
     failure: str | None = None,
+    compute_s: float | Callable[[int, int], float] | None = None,
+    sync_every: int = 1,
+    applied_steps: int | None = None,
 ) -> Path:
     """A finished run whose every step takes tokens_per_step / tokens_per_s seconds; evals spread over the steps.
 
     finish_blocked_s > 0 adds a `finish` event (communication completed after the last step) to the last step.
+    compute_s: each step's forward+backward seconds, a number or a function of (rank, step) [default: the step's
+    time less its blocked share]. sync_every: a method that synchronizes logs an exchange every this many steps.
+    applied_steps: steps whose updates are in the final parameters [default: all]; tokens_per_s then counts only
+    those (applied tokens per second), as a real run does.
     """
     eval_every = steps // (len(val_losses) - 1)
     config = build_config(method, profile, seed, {"steps": steps, "eval_every": eval_every, **(options or {})})
@@ -48,6 +55,14 @@ def write_run(
     tokens_per_step = config.clusters * config.train.batch_size * 128  # the tiny model's context
     step_s = tokens_per_step / tokens_per_s
     syncs = method != "local"
+    applied = steps if applied_steps is None else applied_steps
+    warmup = config.train.throughput_warmup_steps
+
+    def compute(rank: int, step: int) -> float:
+        if compute_s is None:
+            return step_s * (1 - blocked_share)
+        return compute_s(rank, step) if callable(compute_s) else compute_s
+
     for rank in range(world):
         t = T0
         events: list[dict] = [{"t": t, "rank": rank, "kind": "start", "tokens_per_step": tokens_per_step}]
@@ -56,9 +71,9 @@ def write_run(
         for step in range(steps):
             t += step_s
             event = {"t": t, "rank": rank, "kind": "step", "step": step, "tokens": (step + 1) * tokens_per_step,
-                     "loss": val_losses[0], "lr": 4e-4, "compute_s": step_s * (1 - blocked_share),
+                     "loss": val_losses[0], "lr": 4e-4, "compute_s": compute(rank, step),
                      "step_s": step_s}  # fmt: skip
-            if syncs:
+            if syncs and (step + 1) % sync_every == 0:
                 event.update(
                     sync_payload_bytes=int(wire_bytes_per_token * tokens_per_step / world),
                     sync_blocked_s=step_s * blocked_share,
@@ -76,12 +91,14 @@ def write_run(
                 events.append({"t": t, "rank": rank, "kind": "eval", "step": step + 1,
                                "tokens": (step + 1) * tokens_per_step, "val_loss": loss, "eval_s": EVAL_S})  # fmt: skip
         (run_dir / "events" / f"rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-        window_steps = steps - config.train.throughput_warmup_steps
+        window_steps = steps - warmup
         result = {
             "final_train_loss": val_losses[-1],
             "final_val_loss": val_losses[-1],
             "window_steps": window_steps,
             "window_tokens": window_steps * tokens_per_step,
+            "window_applied_tokens": max(0, applied - warmup) * tokens_per_step,
+            "applied_tokens": applied * tokens_per_step,
             "window_s": window_steps * step_s,
             "tokens": steps * tokens_per_step,
             "optimizer_state_bytes": 1000,

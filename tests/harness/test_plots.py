@@ -6,8 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.plots import plot_all, step_breakdown
-from harness.report import load_runs
+from harness.plots import loss_figure, plot_all, step_breakdown
+from harness.report import eval_curve, load_runs
 from tests.harness.fakeruns import write_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -52,6 +52,24 @@ def test_breakdown_splits_each_step_into_compute_blocked_and_overlapped(results)
     assert parts.loc["opendiloco local_steps=10", "blocked"] == pytest.approx(0.1 * dl_step_s + 1.6 / 15)
     assert parts.loc["opendiloco local_steps=10", "compute"] == pytest.approx(0.9 * dl_step_s)
     assert parts.loc["local", "blocked"] == 0.0
+
+
+def test_loss_band_only_where_there_are_two_runs_or_more(results):
+    write_run(results, "ar-s1", "allreduce", seed=1, tokens_per_s=520, val_losses=(5.5, 4.3, 3.9))
+    tables = load_runs([results])
+    group = tables.runs[tables.runs["profile"] == "1gbps"]
+    colors = {"allreduce": "#000000", "opendiloco local_steps=10": "#111111", "local": "#222222"}
+    fig = loss_figure(group, eval_curve(tables.events), colors)
+    by_tokens = fig.axes[0]
+    labels = [t.get_text() for t in by_tokens.get_legend().get_texts()]
+    assert labels == [
+        "allreduce (n=2, band ± 1 std)",
+        "opendiloco local_steps=10 (n=1, no band)",
+        "local (n=1, no band), unsynchronized",
+    ]
+    # One band: allreduce's, the only method with two runs.
+    assert len(by_tokens.collections) == 1
+    assert "band: ± 1 std where n ≥ 2" in fig.get_suptitle()
 
 
 def test_cli_writes_figures_next_to_the_results_by_default(results):

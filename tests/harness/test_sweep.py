@@ -7,8 +7,9 @@ import os
 
 import pandas as pd
 import pytest
+from click.testing import CliRunner
 
-from harness import projection, runner
+from harness import cli, projection, runner
 from harness.backends.netns import user_namespaces_work
 from harness.profiles import load_profile
 from harness.projection import TARGETS, Regime, regime_profile
@@ -36,14 +37,29 @@ def test_set_values_are_parsed_and_method_options_go_only_where_they_apply():
     # allreduce has no local_steps: it runs once per seed, not once per value.
     assert names == [
         "allreduce-1gbps-s0",
-        "allreduce-1gbps-s1",
         "opendiloco-1gbps-s0-local_steps=10",
         "opendiloco-1gbps-s0-local_steps=50",
+        "allreduce-1gbps-s1",
         "opendiloco-1gbps-s1-local_steps=10",
         "opendiloco-1gbps-s1-local_steps=50",
     ]
     assert spec.config(spec.combinations()[0]).method_options == {}
-    assert spec.config(spec.combinations()[3]).method_options == {"local_steps": 50}
+    assert spec.config(spec.combinations()[2]).method_options == {"local_steps": 50}
+
+
+def test_runs_go_round_robin_seed_and_repeat_outermost_then_profile_then_method():
+    spec = SweepSpec(("allreduce", "dilocox", "local"), ("1gbps", "100mbps"), (0, 1), repeats=2)
+    names = [c.name for c in spec.combinations()]
+    # Each seed's (and repeat's) methods run back to back, so a slow moment of the machine hits every method.
+    assert names == [
+        f"{method}-{profile}-s{seed}-r{repeat}"
+        for seed in (0, 1)
+        for repeat in (0, 1)
+        for profile in ("1gbps", "100mbps")
+        for method in ("allreduce", "dilocox", "local")
+    ]
+    assert names[:3] == ["allreduce-1gbps-s0-r0", "dilocox-1gbps-s0-r0", "local-1gbps-s0-r0"]
+    assert len(set(names)) == 2 * 2 * 2 * 3
 
 
 def test_settings_are_routed_by_name_and_checked_before_anything_runs():
@@ -83,16 +99,16 @@ def test_resume_skips_finished_runs_and_redoes_interrupted_and_failed_ones(tmp_p
     spec = SweepSpec(("allreduce", "local"), ("1gbps", "100mbps"), (0,), settings={"steps": 20})
     out = tmp_path / "sweep"
     fail["local-100mbps-s0"] = "profile needs netem"
-    rows = run_sweep(spec, out)
+    rows = run_sweep(spec, out, command="harness sweep --methods allreduce,local --profiles 1gbps,100mbps")
+    assert calls == ["allreduce-1gbps-s0", "local-1gbps-s0", "allreduce-100mbps-s0", "local-100mbps-s0"]
     assert [r.status for r in rows] == ["ok", "ok", "ok", "failed"]
-    assert len(calls) == 4
     # An interrupted run leaves only a staging folder; a finished run's folder is complete.
     (out / "runs" / "allreduce-100mbps-s0").rename(out / "runs" / ".allreduce-100mbps-s0.partial")
     del fail["local-100mbps-s0"]
     calls.clear()
     rows = run_sweep(spec, out)
     assert calls == ["allreduce-100mbps-s0", "local-100mbps-s0"]
-    assert [r.skipped for r in rows] == [True, False, True, False]
+    assert [r.skipped for r in rows] == [True, True, False, False]
     assert not (out / "runs" / ".allreduce-100mbps-s0.partial").exists()
     index = pd.read_csv(out / "index.csv")
     assert list(index["status"]) == ["ok"] * 4
@@ -100,6 +116,23 @@ def test_resume_skips_finished_runs_and_redoes_interrupted_and_failed_ones(tmp_p
     calls.clear()
     run_sweep(spec, out, force=True)
     assert len(calls) == 4
+
+
+def test_sweep_json_holds_the_command_that_makes_the_sweep(tmp_path, fake_runner, monkeypatch):
+    spec = SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 20})
+    run_sweep(spec, tmp_path / "api")
+    assert json.loads((tmp_path / "api" / "sweep.json").read_text()) == {"settings": {"steps": 20, "per_method": {}},
+                                                                          "command": None}  # fmt: skip
+    # From the command line: the exact command, quoted so it can be pasted back.
+    monkeypatch.setattr(cli, "_reexec_if_unprivileged", lambda: None)
+    out = tmp_path / "my sweep"
+    argv = ["sweep", "--methods", "allreduce,local", "--profiles", "1gbps", "--steps", "20", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", ["/usr/bin/harness", *argv])
+    result = CliRunner().invoke(cli.main, argv)
+    assert result.exit_code == 0, result.output
+    recorded = json.loads((out / "sweep.json").read_text())
+    assert recorded["command"] == f"harness sweep --methods allreduce,local --profiles 1gbps --steps 20 --out '{out}'"
+    assert recorded["settings"]["steps"] == 20
 
 
 def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner):

@@ -121,7 +121,10 @@ def test_error_feedback_conserves_the_signal_over_rounds():
     sum(delta) == (theta_0 - theta_final) + residual: compression delays signal, never loses it."""
     torch.manual_seed(0)
     model = torch.nn.Linear(24, 16)
-    cfg = DiLoCoXConfig(local_steps=2, outer_lr=1.0, outer_momentum=0.0, rank=8, bits=2, min_rank=2, rank_window=2)
+    # final_sync off: the sum below counts the completed rounds, whose offsets the reports mark.
+    cfg = DiLoCoXConfig(
+        local_steps=2, outer_lr=1.0, outer_momentum=0.0, rank=8, bits=2, min_rank=2, rank_window=2, final_sync=False
+    )
     method = DiLoCoX(_context(model, TOY_OPTIM, 40, None), cfg)
     theta_0 = _params(method.global_params)
     g = torch.Generator().manual_seed(1)
@@ -324,7 +327,8 @@ def test_two_replicas_learn_agree_and_adapt(two_replicas):
         assert sum(out["losses"][-10:]) / 10 < 4.0
         rounds = [r["round"] for r in out["reports"].values()]
         assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 3
-        assert out["finish"] is not None and out["finish"]["payload_bytes"] == 0
+        # finish() lands the last exchange and, rounds having grown past what is left, sends the partial last round.
+        assert out["finish"] is not None and out["finish"]["payload_bytes"] > 0
         for report in out["reports"].values():
             assert 0 < report["compression_error"] < 1
             assert report["blocked_s"] >= 0 and report["overlapped_s"] >= 0
