@@ -38,8 +38,9 @@ class RunError(UserError):
     """Bad input, found before anything was created."""
 
 
-class Interrupted(Exception):
-    """SIGINT or SIGTERM reached the harness (the first of them: later ones are only recorded)."""
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the harness. A BaseException, as KeyboardInterrupt is: no `except Exception` on
+    the way (a backend's, a library's) may swallow it."""
 
 
 def validate(config: RunConfig, out: Path | None) -> RunFolder:
@@ -78,9 +79,14 @@ INTACT_CHECK_S = 2.0
 
 
 class _Signals:
-    """SIGINT and SIGTERM during a run: the first one interrupts it; every later one is only recorded, so teardown
+    """SIGINT and SIGTERM during a run interrupt it; once teardown has begun they are only recorded, so teardown
     (stopping workers, removing the cluster, writing the summary) cannot be cut short by a user pressing Ctrl-C
-    again and again."""
+    again and again.
+
+    Every signal before teardown raises, not only the first: Python runs a handler wherever the main thread is,
+    and an exception raised inside a callback it guards (an at-fork hook of `logging`, a finalizer) is printed and
+    dropped, so a run that counted on its first signal would ignore the rest.
+    """
 
     def __init__(self) -> None:
         self.runner_pid = os.getpid()
@@ -100,8 +106,8 @@ class _Signals:
         if os.getpid() != self.runner_pid:
             os._exit(128 + signum)
         self.received.append(signal.Signals(signum).name)
-        if len(self.received) == 1 and not self.tearing_down:
-            raise Interrupted(self.received[0])
+        if not self.tearing_down:
+            raise Interrupted(self.received[-1])
 
 
 def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> str:
@@ -161,6 +167,7 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
             if failure is None:
                 record["wire_bytes_run"] = wire.total()
         except Interrupted as sig:
+            signals.tearing_down = True
             failure = f"interrupted by {sig} during the run"
         except BackendVanished as err:
             failure = str(err)
