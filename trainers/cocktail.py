@@ -46,10 +46,14 @@ from dataclasses import dataclass
 import torch
 
 from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
-from trainers.compression import ErrorFeedback, SparseQuantizeCompressor, mean_of_payloads, relative_error
+from trainers.compression import (
+    ErrorFeedback,
+    SparseQuantizeCompressor,
+    mean_of_payloads,
+    relative_error,
+    validate_quantization_flags,
+)
 from trainers.method import Method, MethodContext, SyncReport, tensor_bytes
-
-_BITS = (2, 4, 8, None)
 
 
 @dataclass(frozen=True)
@@ -68,22 +72,9 @@ class CocktailConfig:
         for flag, ratio in (("--random-keep", self.random_keep), ("--topk-keep", self.topk_keep)):
             if not 0 < ratio <= 1:
                 raise ValueError(f"{flag} must be in (0, 1], got {ratio}")
-        if self.bits not in _BITS:
-            raise ValueError(f"--bits must be 2, 4, 8 or none (fp32 values), got {self.bits}")
-        if self.bucket_size < 1:
-            raise ValueError(f"--bucket-size must be at least 1, got {self.bucket_size}")
+        validate_quantization_flags(self.bits, self.bucket_size, allow_fp32=True)
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
-
-
-@dataclass
-class _Round:
-    """A step whose payloads are still being gathered."""
-
-    step: int
-    retired: list[torch.Tensor]  # per parameter, what leaves x_i's lead over g when the round lands
-    gathered: list[torch.Tensor]  # every rank's payload, filled once `inflight` is done
-    inflight: InFlight
 
 
 class Cocktail(Method):
@@ -178,3 +169,13 @@ class Cocktail(Method):
     def optimizer_state_bytes(self) -> int:
         """Inner AdamW moments and g, plus the server's residual s."""
         return super().optimizer_state_bytes() + tensor_bytes(self.server_residuals.residuals.values())
+
+
+@dataclass
+class _Round:
+    """A step whose payloads are still being gathered."""
+
+    step: int
+    retired: list[torch.Tensor]  # per parameter, what leaves x_i's lead over g when the round lands
+    gathered: list[torch.Tensor]  # every rank's payload, filled once `inflight` is done
+    inflight: InFlight

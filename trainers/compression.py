@@ -55,6 +55,15 @@ def _check_bits(bits: int | None, allow_none: bool = False) -> None:
         raise ValueError(f"bits must be one of {options}; got {bits}")
 
 
+def validate_quantization_flags(bits: int | None, bucket_size: int, allow_fp32: bool = False) -> None:
+    """A method's --bits and --bucket-size, checked with the flags' names (None: fp32 values, where allowed)."""
+    if bits not in (*_SUPPORTED_BITS, *((None,) if allow_fp32 else ())):
+        options = "2, 4, 8 or none (fp32 values)" if allow_fp32 else "2, 4, 8"
+        raise ValueError(f"--bits must be one of {options}; got {bits}")
+    if bucket_size < 1:
+        raise ValueError(f"--bucket-size must be at least 1, got {bucket_size}")
+
+
 def _check_ratio(name: str, ratio: float) -> None:
     if not 0.0 < ratio <= 1.0:
         raise ValueError(f"{name} must be in (0, 1]; got {ratio}")

@@ -68,11 +68,10 @@ from trainers.compression import (
     estimate_rank,
     mean_of_payloads,
     relative_error,
+    validate_quantization_flags,
 )
 from trainers.method import Method, MethodContext, SyncReport, copy_into, tensor_bytes
 from trainers.optim import OuterOptimizer, validate_outer
-
-_BITS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -104,10 +103,7 @@ class DiLoCoXConfig:
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
         if self.rank < 1:
             raise ValueError(f"--rank must be at least 1, got {self.rank}")
-        if self.bits not in _BITS:
-            raise ValueError(f"--bits must be one of 2, 4, 8; got {self.bits}")
-        if self.bucket_size < 1:
-            raise ValueError(f"--bucket-size must be at least 1, got {self.bucket_size}")
+        validate_quantization_flags(self.bits, self.bucket_size)
         if self.rank_window < 1:
             raise ValueError(f"--rank-window must be at least 1, got {self.rank_window}")
         if not 0 < self.energy <= 1:
