@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,10 +39,26 @@ def snapshot() -> dict[str, set[str]]:
     return {"netns": netns_names(), "links": link_names()}
 
 
+def _run_key(run_dir: str) -> str | None:
+    """The run key of the run staged at `run_dir` (`.<name>.partial`), from its final or staging config.json."""
+    staging = Path(run_dir)
+    final = staging.parent / staging.name.removeprefix(".").removesuffix(".partial")
+    for folder in (final, staging):
+        try:
+            return json.loads((folder / "config.json").read_text())["run_key"]
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
+
+
 def leftovers(before: dict[str, set[str]], run_dir: str) -> dict[str, object]:
-    """Everything present now that was not before, plus any worker of the run still alive."""
+    """What this run left: new namespaces and links carrying its run key (every object a run makes does; other
+    runs on the host come and go meanwhile), plus any worker of the run still alive. Without a readable run key,
+    everything new counts."""
     now = snapshot()
-    found = {k: sorted(now[k] - before[k]) for k in now if now[k] - before[k]}
+    key = _run_key(run_dir)
+    found = {k: sorted(name for name in now[k] - before[k] if key is None or name.startswith(key)) for k in now}
+    found = {k: v for k, v in found.items() if v}
     pids = worker_pids(run_dir)
     if pids:
         found["workers"] = pids

@@ -95,22 +95,23 @@ def step_losses(out: Path, rank: int) -> list[float]:
 @pytest.fixture
 def start_long_run(client):
     """Starts 1000-step docker runs; whatever a test does, no harness or container of them outlives it."""
-    started: list[subprocess.Popen] = []
+    started: list[tuple[subprocess.Popen, Path]] = []
 
     def start(out: Path) -> subprocess.Popen:
         command = [sys.executable, "-m", "harness.cli", "run", *DOCKER, "--profile", "100mbps", "--steps", "1000"]
         proc = subprocess.Popen(
             [*command, *SMALL_RUN, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        started.append(proc)
+        started.append((proc, out))
         return proc
 
     yield start
-    for proc in started:
+    for proc, out in started:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-            cleanup()
+            # Only this test's run: other runs on the host are not ours to touch.
+            cleanup(run_key_of(out))
 
 
 def test_docker_run_trains_counts_its_bytes_and_leaves_nothing(tmp_path, client):
