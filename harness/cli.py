@@ -271,6 +271,13 @@ def train_option_flags(command):
         click.option("--pipeline-schedule", type=click.Choice(["1f1b", "gpipe"]), help="[default: 1f1b]."),
         click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}]."),
         click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib]."),
+        click.option(
+            "--data-shift",
+            type=int,
+            metavar="N",
+            help="Every N steps move each replica's batches to another part of its data, to test methods under a "
+            f"shifting distribution [default: {TrainConfig.data_shift} = off].",
+        ),
     ]
     for flag in reversed(flags):
         command = flag(command)

@@ -115,7 +115,8 @@ class RunConfig:
             from trainers.data import check_data
 
             try:
-                check_data(self.train.data, self.train.seq_len or model_cfg.max_seq_len, self.clusters)
+                seq_len = self.train.seq_len or model_cfg.max_seq_len
+                check_data(self.train.data, seq_len, self.clusters, data_shift=self.train.data_shift)
             except ValueError as err:
                 raise UserError(str(err)) from None
 
@@ -123,15 +124,21 @@ class RunConfig:
         """Settings that run but measure little: call after validate(); each is one sentence naming the fix."""
         from trainers.registry import method_config
 
+        warnings = []
+        if self.train.data_shift and self.train.data_shift >= self.train.steps:
+            warnings.append(
+                f"--data-shift {self.train.data_shift} is not below --steps {self.train.steps}: the data never "
+                "shifts and each replica trains on one eighth of its shard; use a smaller --data-shift"
+            )
         cfg = method_config(self.method, self.method_options)
         syncs = cfg.max_syncs(self.train.steps) if hasattr(cfg, "max_syncs") and self.clusters > 1 else None
         if syncs is not None and syncs < MIN_SYNCS:
-            return [
+            warnings.append(
                 f"{self.method} synchronizes at most {syncs} time(s) in {self.train.steps} steps (--local-steps "
                 f"{cfg.local_steps}): its throughput says little about communication; use more --steps or a "
                 "smaller --local-steps"
-            ]
-        return []
+            )
+        return warnings
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -41,6 +41,10 @@ def _real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """What is trained, on what, for how long. Identical for every method in a comparison."""
@@ -61,6 +65,9 @@ class TrainConfig:
     # Steps excluded from throughput: the first steps pay for allocator warm-up and connection set-up.
     throughput_warmup_steps: int = 5
     data: str | None = None
+    # Every data_shift steps each replica's batches move to another of SHIFT_SEGMENTS (8) contiguous segments of its
+    # shard, all replicas at the same steps (trainers/data.py, replica_batches); 0 = off. Validation does not shift.
+    data_shift: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self) -> None:
@@ -82,5 +89,8 @@ class TrainConfig:
             raise ValueError(f"--microbatches must be at least 0 (0: one per stage), got {self.microbatches}")
         if self.pipeline_schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"--pipeline-schedule must be 1f1b or gpipe, got {self.pipeline_schedule!r}")
+        # Whether each segment holds a window depends on the corpus: check_data and replica_batches check that.
+        if not (_int(self.data_shift) and self.data_shift >= 0):
+            raise ValueError(f"--data-shift must be 0 (off) or a positive number of steps, got {self.data_shift}")
         if not 0 <= self.throughput_warmup_steps < self.steps:
             raise ValueError(f"--throughput-warmup-steps must be in [0, steps), got {self.throughput_warmup_steps}")

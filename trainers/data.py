@@ -6,6 +6,7 @@ the harness already has; `--data PATH` swaps in any text file or directory of te
 
 import codecs
 import hashlib
+import itertools
 import os
 import stat
 import sys
@@ -22,6 +23,11 @@ DOC_SEPARATOR = b"\x04"
 # What load_corpus holds out and how much it reads; the workers call it with these defaults.
 VAL_FRACTION = 0.05
 MAX_BYTES = 8 << 20
+# --data-shift N cuts each replica's shard into this many contiguous segments and moves its batches to another one
+# every N steps. 8 keeps each segment a run of neighbouring files (the default corpus: ~0.5 MiB of stdlib modules per
+# segment with 2 clusters, ~120 KiB with 8), so segments differ in style, while 8 x 8 segments of the default corpus
+# still hold the model's 1024-byte windows many times over.
+SHIFT_SEGMENTS = 8
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,7 @@ def _examples(paths: list[Path], root: Path, n: int = 3) -> str:
     return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
-def check_data(path: str | None, seq_len: int, n_replicas: int) -> None:
+def check_data(path: str | None, seq_len: int, n_replicas: int, data_shift: int = 0) -> None:
     """Refuse, before anything starts, data the workers' load_corpus, replica_batches or validation_batches would
     refuse; raises ValueError with one sentence naming the fix.
 
@@ -183,7 +189,7 @@ def check_data(path: str | None, seq_len: int, n_replicas: int) -> None:
     building tensors: a path that exists and can be read, UTF-8 text in it, and enough of it that each of the
     n_replicas training shards and the val split hold one window of seq_len + 1 bytes (byte-level tokens, so
     bytes are tokens; batches and evaluation windows are drawn from those, overlapping, so their number needs
-    no more).
+    no more). With data_shift > 0, each of a shard's SHIFT_SEGMENTS segments must hold such a window.
     """
     if seq_len < 1 or n_replicas < 1:
         raise ValueError(f"seq_len and n_replicas must be at least 1, got {seq_len} and {n_replicas}")
@@ -223,6 +229,8 @@ def check_data(path: str | None, seq_len: int, n_replicas: int) -> None:
     need = seq_len + 1
     shard = min(stop - start for start, stop in (_shard_bounds(len(train), r, n_replicas) for r in range(n_replicas)))
     if shard >= need and len(val) >= need:
+        if data_shift > 0:
+            _check_shift_segments(name, len(train), seq_len, n_replicas)
         return
     shorter = "a shorter --seq-len or fewer --clusters" if n_replicas > 1 else "a shorter --seq-len"
     total = sum(map(len, docs))
@@ -246,6 +254,23 @@ def check_data(path: str | None, seq_len: int, n_replicas: int) -> None:
         f"{name}'s held-out split ({_examples(held, root)}: {len(val):,} bytes) is shorter than the seq_len + 1 = "
         f"{need:,} that evaluation reads; add text to it or more files (every {every}th file is held out, or the "
         "last one when there are fewer), or pass a shorter --seq-len"
+    )
+
+
+def _check_shift_segments(name: str, train_bytes: int, seq_len: int, n_replicas: int) -> None:
+    """Every replica's every --data-shift segment holds a window of seq_len + 1 bytes; else ValueError."""
+    segment = min(
+        _shortest_segment(stop - start)
+        for start, stop in (_shard_bounds(train_bytes, r, n_replicas) for r in range(n_replicas))
+    )
+    if segment >= seq_len + 1:
+        return
+    shards = f"each of the {n_replicas} clusters' training shards" if n_replicas > 1 else "the training split"
+    shorter = "a shorter --seq-len or fewer --clusters" if n_replicas > 1 else "a shorter --seq-len"
+    raise ValueError(
+        f"--data-shift cuts {shards} into {SHIFT_SEGMENTS} segments, and {name}'s training split "
+        f"({train_bytes:,} bytes) leaves some of them only {segment:,} bytes, fewer than seq_len + 1 = "
+        f"{seq_len + 1:,}; add text, pass {shorter}, or drop --data-shift"
     )
 
 
@@ -286,13 +311,49 @@ def _shard_bounds(n: int, replica: int, n_replicas: int) -> tuple[int, int]:
     return replica * n // n_replicas, (replica + 1) * n // n_replicas
 
 
+def _segment_bounds(n: int) -> list[tuple[int, int]]:
+    """The SHIFT_SEGMENTS contiguous, disjoint [start, stop) ranges a shard of n bytes is cut into for --data-shift."""
+    return [(j * n // SHIFT_SEGMENTS, (j + 1) * n // SHIFT_SEGMENTS) for j in range(SHIFT_SEGMENTS)]
+
+
+def _shortest_segment(n: int) -> int:
+    return min(stop - start for start, stop in _segment_bounds(n))
+
+
+def shift_order(seed: int) -> list[int]:
+    """The order in which --data-shift visits a shard's segments: phase p uses shift_order(seed)[p % SHIFT_SEGMENTS].
+
+    A permutation drawn from the seed alone, so every replica moves to the same relative segment of its own shard
+    at the same step, consecutive phases always use different (disjoint) segments, and after SHIFT_SEGMENTS phases
+    the cycle repeats.
+    """
+    # spawn_key keeps this draw apart from the replicas' batch streams, which are seeded from (seed, replica).
+    state = int(np.random.SeedSequence(seed, spawn_key=(1,)).generate_state(1)[0])
+    return torch.randperm(SHIFT_SEGMENTS, generator=torch.Generator().manual_seed(state)).tolist()
+
+
+def data_phase(step: int, data_shift: int) -> int:
+    """Which --data-shift phase step `step` (from 0) belongs to: the data changes every data_shift steps."""
+    return step // data_shift
+
+
 def replica_batches(
-    corpus: Corpus, replica: int, n_replicas: int, batch_size: int, seq_len: int, seed: int
+    corpus: Corpus,
+    replica: int,
+    n_replicas: int,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    data_shift: int = 0,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (inputs, targets) of shape [batch_size, seq_len] drawn at random from this replica's shard.
 
     Disjoint shards give each replica its own data, as separate sites would have; the stream depends only on
     (seed, replica), so a restarted worker sees exactly the batches it saw before.
+
+    With data_shift = N > 0 the shard is cut into SHIFT_SEGMENTS contiguous segments and batch i (one per step) is
+    drawn from segment shift_order(seed)[(i // N) % SHIFT_SEGMENTS] only: every N batches the stream moves to a
+    different part of the corpus. A bad setting raises ValueError here, not at the first batch.
     """
     shard = replica_shard(corpus, replica, n_replicas)
     if len(shard) < seq_len + 1:
@@ -300,11 +361,34 @@ def replica_batches(
             f"replica {replica}'s shard has {len(shard)} bytes, fewer than seq_len + 1 = {seq_len + 1}; "
             "pass more data, fewer replicas or a shorter sequence length."
         )
+    if data_shift < 0:
+        raise ValueError(f"data_shift must be 0 (off) or a positive number of steps, got {data_shift}.")
+    segment = _shortest_segment(len(shard))
+    if data_shift > 0 and segment < seq_len + 1:
+        raise ValueError(
+            f"replica {replica}'s shard of {len(shard)} bytes cut into {SHIFT_SEGMENTS} --data-shift segments leaves "
+            f"some only {segment} bytes, fewer than seq_len + 1 = {seq_len + 1}; pass more data, fewer replicas, "
+            "a shorter sequence length or no --data-shift."
+        )
     # SeedSequence mixes (seed, replica) properly, so nearby seeds of different replicas never coincide.
     g = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, replica]).generate_state(1)[0]))
-    while True:
-        starts = torch.randint(0, len(shard) - seq_len, (batch_size,), generator=g)
-        yield _windows(shard, starts, seq_len)
+    if data_shift == 0:
+        # Every batch from the whole shard: the same stream as before --data-shift existed.
+        return _draw([shard], batch_size, seq_len, g, itertools.repeat(0))
+    segments = [shard[start:stop] for start, stop in _segment_bounds(len(shard))]
+    order = shift_order(seed)
+    # data_shift batches (steps) from each segment in turn, in shift_order, cycling.
+    plan = (order[phase % SHIFT_SEGMENTS] for phase in itertools.count() for _ in range(data_shift))
+    return _draw(segments, batch_size, seq_len, g, plan)
+
+
+def _draw(
+    sources: list[torch.Tensor], batch_size: int, seq_len: int, g: torch.Generator, plan: Iterator[int]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless batches of random windows, batch i from sources[j] for the i-th j of plan."""
+    for j in plan:
+        starts = torch.randint(0, len(sources[j]) - seq_len, (batch_size,), generator=g)
+        yield _windows(sources[j], starts, seq_len)
 
 
 def validation_batches(

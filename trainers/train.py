@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainers.config import TrainConfig
-from trainers.data import load_corpus, replica_batches, validation_batches
+from trainers.data import data_phase, load_corpus, replica_batches, validation_batches
 from trainers.method import MethodContext
 from trainers.models import DecoderLM, count_parameters, get_model_config
 from trainers.pipeline import build_stage
@@ -56,7 +56,10 @@ def train(
         model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages, cfg.pipeline_schedule
     )
     corpus = load_corpus(cfg.data)
-    batches = replica_batches(corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed)
+    # One batch per step, so the stream counts steps: with data_shift it moves to another segment every N batches.
+    batches = replica_batches(
+        corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed, data_shift=cfg.data_shift
+    )
     val_batches = [
         (x.to(par.device), y.to(par.device))
         for x, y in validation_batches(corpus, cfg.batch_size, seq_len, cfg.eval_batches)
@@ -130,6 +133,8 @@ def train(
             "compute_s": computed - started,
             "step_s": ended - started,
         }
+        if cfg.data_shift:
+            event["data_phase"] = data_phase(step, cfg.data_shift)
         if report is not None:
             event.update({f"sync_{k}": v for k, v in report.as_event().items()})
         if read_wire_bytes:
