@@ -386,3 +386,15 @@ def test_doctor(harness_cli):
     for check in ("privileges", "tbf", "netem", "rate ceiling"):
         assert re.search(rf"^\W*{check}\s+\W*(yes|no)\b", text, re.MULTILINE), f"no {check} line:\n{text}"
     assert "3 Gbit/s (2 cores)" in flat(text)
+
+
+def test_doctor_prints_its_findings_as_text_not_markup(monkeypatch):
+    """ "pip install 'harness[docker]'" once printed as "pip install 'harness'": rich read [docker] as a tag."""
+    import harness.doctor
+
+    check = harness.doctor.Check("docker SDK", False, "not installed (pip install 'harness[docker]')", "[/x] no tag")
+    monkeypatch.setattr(harness.doctor, "diagnose", lambda: [check])
+    monkeypatch.setattr(cli.console, "_width", 200)
+    result = CliRunner().invoke(cli.main, ["doctor"])
+    assert result.exit_code == 0, result.output
+    assert "pip install 'harness[docker]'" in result.output and "[/x] no tag" in result.output
