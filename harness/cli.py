@@ -126,6 +126,9 @@ def _method_option_params() -> list[click.Option]:
             params.append(
                 click.Option([f"--{flag}", field_name], type=_click_type(kind), default=None, help=f"[{used_by}]")
             )
+        if typing.get_origin(kind) is typing.Literal and "none" in typing.get_args(kind):
+            # A switch that grew modes (dilocox's --overlap) keeps its --no-FLAG, as a hidden alias of --FLAG none.
+            params.append(click.Option([f"--no-{flag}", field_name], flag_value="none", default=None, hidden=True))
     return params
 
 

@@ -486,8 +486,9 @@ class LowRankQuantizeCompressor:
 
     Warm start: ``encode(x, step, key=name)`` remembers Q per ``key`` and starts that key's next power
     iteration from it (PowerSGD), which converges towards the top-r subspace over calls at one iteration per
-    call. Without a key every call starts from the Gaussian Q drawn from ``seed``; a remembered Q whose shape
-    no longer fits (the rank changed) is dropped for that one too.
+    call. Without a key every call starts from the Gaussian Q drawn from ``seed``. The refined subspace survives
+    a change of rank (``warm_start``): a lower rank keeps Q's leading columns, a higher one appends fresh Gaussian
+    columns, so that DiLoCoX, which changes r almost every round, does not restart from noise each time.
     """
 
     def __init__(self, rank: int, bits: int | None = 4, bucket_size: int = 128, seed: int = 0) -> None:
@@ -518,10 +519,28 @@ class LowRankQuantizeCompressor:
     def encode(self, x: torch.Tensor, step: int, key: str | None = None) -> torch.Tensor:
         if not self._factored(x.shape):
             return _encode_values(x, self.bits, self.bucket_size)
-        p, q = low_rank(x.reshape(_as_matrix(x.shape)), self.rank, self._warm_q.get(key), self.seed)
+        p, q = low_rank(x.reshape(_as_matrix(x.shape)), self.rank, self.warm_start(key, x.shape), self.seed)
         if key is not None:
             self._warm_q[key] = q
         return torch.cat([_encode_values(f, self.bits, self.bucket_size) for f in (p, q)])
+
+    def warm_start(self, key: str | None, shape: Shape) -> torch.Tensor | None:
+        """The Q [n, r] that ``key``'s next power iteration starts from at the current rank, or None (cold start).
+
+        QR orthonormalises columns in order, so the first k columns of P = qr(x @ Q0) span the same space
+        whatever Q0's later columns are: the iteration on Q's leading r columns is the rank-r iteration, and a fall
+        in rank keeps them. A rise keeps every column and appends columns r_old..r-1 of the Gaussian that a cold
+        start at rank r draws from ``seed``: deterministic, and orthogonalised against the kept ones by the QR.
+        """
+        q = self._warm_q.get(key) if key is not None else None
+        m, n = _as_matrix(shape)
+        r = min(self.rank, m, n)
+        if q is None or q.shape[0] != n:
+            return None
+        if q.shape[1] >= r:
+            return q[:, :r]
+        fresh = torch.randn(n, r, generator=torch.Generator().manual_seed(self.seed))[:, q.shape[1] :]
+        return torch.cat([q, fresh.to(device=q.device, dtype=q.dtype)], dim=1)
 
     def decode(self, payload: torch.Tensor, shape: torch.Size, step: int) -> torch.Tensor:
         if not self._factored(shape):

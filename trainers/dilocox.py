@@ -1,54 +1,102 @@
-"""DiLoCoX (arXiv 2506.21263): DiLoCo per pipeline stage, with compressed pseudo-gradients applied one round late
-and a compression rank and round length that adapt to the pseudo-gradients.
+"""DiLoCoX (arXiv 2506.21263): DiLoCo per pipeline stage, with compressed pseudo-gradients whose exchange overlaps
+the next inner steps, and a compression rank and round length that adapt to the pseudo-gradients.
 
 Each rank holds one pipeline stage of one replica and runs everything below for that stage alone, with the same
 stage of the other clusters (the data-parallel group, across the slow link); nothing holds the whole model.
-theta is the stage's fp32 master copy, identical on every replica. Round t runs H_t inner AdamW steps from
-theta_{t-1}, then, per parameter tensor:
+theta is the stage's fp32 master copy, identical on every replica, that evaluation runs on. Round t runs H_t inner
+AdamW steps from the replica's start point s_i (theta itself, except under `eager`), then, per parameter tensor:
 
-    delta_i = theta_{t-1} - theta_i                         replica i's pseudo-gradient of round t
+    delta_i = s_i - theta_i                                 replica i's pseudo-gradient of round t
     c_i     = delta_i + e_i                                 error feedback: add what earlier rounds dropped
     P_i     = C_Q(C_L(c_i; r_t)),  e_i = c_i - D(P_i)       rank-r_t factors, int-q quantized (1-D: only int-q)
     Delta_t = mean_j D(P_j)                                 all-gather every payload, decode each, average
 
 A sum of low-rank factors is not the factor of a sum, so the payloads are gathered (one flat uint8 buffer per
 replica) and every rank decodes and averages all of them, in rank order, so Delta_t is bit-identical everywhere.
+D(P_i), the replica's own share of Delta_t times n (n replicas), is what the replica itself sent.
+`--no-compression` sends fp16 pseudo-gradients through an fp16 all-reduce instead, as OpenDiLoCo does, without
+error feedback; with overlap, compression and adaptation all off this is OpenDiLoCo exactly.
 
-One-step-delay overlap (the default): at the end of round t the gather of round t starts, then the method waits
-for round t-1's gather, which ran behind round t's inner steps, and applies it:
+Applying an average is one outer step on theta, Nesterov SGD with lr eta and momentum mu:
 
-    theta_t = OuterSGD(theta_{t-1}, grad=Delta_{t-1})       Nesterov momentum, on the master copy
-    theta_i = theta_t                                       every replica starts round t+1 from theta_t
+    m <- mu m + Delta,   theta <- theta - eta (Delta + mu m)          OuterSGD(theta, Delta)
 
-Round 1 has no average before it: theta_1 = theta_0, and every replica restarts round 2 from theta_0, its round-1
-progress travelling as delta_1 (applied at the end of round 2). So each round's delta is measured from the theta
-the round started from, and the update is exactly one round stale. finish() exchanges the steps of an unfinished
-last round as a shorter round (`--no-final-sync` drops them, as DiLoCo does), then waits for the last gather and
-applies it, so training ends on a theta holding every round. `--no-overlap` applies Delta_t at the end of round t
-itself: blocking DiLoCo with compression. `--no-compression` sends fp16 pseudo-gradients through an fp16 all-reduce
-instead, as OpenDiLoCo does, without error feedback; with overlap, compression and adaptation all off this is
-OpenDiLoCo exactly.
+`--overlap` says when the average of round t is applied and where round t+1 starts:
 
-Adaptation (`--no-adaptive` keeps r_1 and H_1). When an average Delta arrives, every rank derives from it the
-rank and round length of the round that starts now. Delta is identical across clusters, so nothing more crosses
-the slow link; the stages of a cluster pool their estimates in one scalar all-reduce over the fast pipeline link,
-so every rank of every cluster applies the same r and H:
+  none       blocking DiLoCo with compression: wait for Delta_t at the end of round t, theta_t = OuterSGD(theta_{t-1},
+             Delta_t), every replica restarts from theta_t.
 
-    rhat = ceil(mean over the replica's matrices W of estimate_rank(Delta_W, energy))
-                  estimate_rank: the smallest rank whose singular values hold `energy` of ||Delta_W||^2
-    r    = clamp(ceil(mean of the window), min_rank, r_1)     the window: the last c = rank_window values of
-                                                              rhat, initially c copies of r_1
-    H    = min(max_local_steps, round(H_1 * r_1 / r))
+  delayed    the paper's one-step-delay overlap (Algorithm 2), the default. At the end of round t the exchange of
+             round t starts, then the method waits for round t-1's, which ran behind round t's inner steps:
+                 theta_t = OuterSGD(theta_{t-1}, Delta_{t-1}),   s_i = theta_t
+             Round 1 has no average before it: theta_1 = theta_0, and round 2 restarts from theta_0, its round-1
+             progress travelling as delta_1. Every update is exactly one round stale, and round t+1 starts from a
+             theta that lacks all of round t's progress, so it largely redoes it before both are applied: a
+             delayed-gradient loop through the momentum.
+             On one quadratic direction whose round contracts it by k (delta = k (s - theta*), 0 < k <= 1), the
+             loop's worst spectral radius is 1.28 at eta 0.7, mu 0.9 (it diverges; the blocking loop's is 0.95),
+             and it stays below 1 only for eta < 0.25 at mu 0.9, 0.56 at mu 0.5, 1 at mu 0 (blocking: > 1.3).
+             The defaults stay the paper's 0.7 / 0.9; the study of issue 11 chooses.
 
-so a smaller rank gives longer rounds, and the bytes per token, proportional to r / H = r^2 / (H_1 r_1), fall
+  eager      Eager updates (arXiv 2502.12996, "Eager Updates for Overlapped Communication and Computation in
+             DiLoCo"): theta is committed as under `delayed`, momentum updated once, but the replica restarts from
+             a look-ahead that already holds its own fresh share of round t, the only part of Delta_t it has:
+                 theta_t = OuterSGD(theta_{t-1}, Delta_{t-1})
+                 s_i     = theta_t - eta (1 + mu) D(P_i^t) / n
+             That is the outer step from (theta_{t-1}, m_{t-1}) with Delta_{t-1} + D(P_i^t)/n in place of Delta_{t-1},
+             by hand (the step is linear in its gradient, whose own new term enters Nesterov's update with weight
+             1 + mu), without touching m. The paper applies g_i = Delta_{t-1} - D(P_i^{t-1})/n + D(P_i^t)/n (its own
+             stale share swapped for its fresh one) to the replica's running outer point, which holds D(P_i^{t-1})/n
+             already; on the committed theta, which holds it only inside Delta_{t-1}, the same point is the formula
+             above (exactly so at mu = 0; with one replica and mu = 0 this is blocking DiLoCo). No extra bytes.
+
+  streaming  Streaming DiLoCo's overlap (arXiv 2501.18512; torchft local_sgd.py, fragment_sync_delay and
+             fragment_update_alpha): the exchange of round t starts tau = `--overlap-steps` inner steps before the
+             round ends (delta from the weights of step H_t - tau), runs behind those tau steps, and is applied at
+             the round's end, where the replica blends its weights with the new theta:
+                 theta_t = OuterSGD(theta_{t-1}, Delta_t),   theta_i = alpha theta_i + (1 - alpha) theta_t
+             with alpha = `--merge-alpha` the weight of the local copy, as torchft's lerp(global, local, alpha).
+             The next pseudo-gradient is measured from theta_t, so the last tau steps reach theta through the next
+             round at weight alpha (alpha = 0 drops them). tau = 0, alpha = 0 is `none` exactly.
+
+finish() exchanges the steps of an unfinished last round as a shorter round (`--no-final-sync` drops them, as DiLoCo
+does), then waits for what is in flight and applies it, so training ends on a theta holding every round, and every
+replica holds theta. applied_steps() counts the steps whose exchange has been applied; under `streaming` the tau
+steps after a round's snapshot count only once an exchange carries them (alpha > 0).
+
+Adaptation (`--no-adaptive` keeps r_1 and H_1). Each replica estimates the rank of what it is about to compress,
+before compression, so the estimate can see more than the rank r_t that will be sent:
+
+    rhat_i = mean over the stage's matrices W of estimate_rank(c_i,W, energy)
+                  estimate_rank: the smallest rank whose singular values hold `energy` of ||c_W||^2
+    rhat   = ceil(mean over replicas and stages)     [sum, count] all-reduced over the data-parallel group
+                                                     (16 bytes on the slow link, sent with the payload and counted
+                                                     in it) and, when the exchange lands, over the pipeline group
+    r      = clamp(ceil(mean of the window), min_rank, r_1)     the window: the last c = rank_window values of
+                                                                rhat, initially c copies of r_1
+    H      = min(max_local_steps, round(H_1 * r_1 / r))
+
+applied when the exchange that carried rhat is applied, from the round that starts then, identically on every rank
+of every cluster. So r falls when the pseudo-gradients' energy concentrates and rises again, up to r_1, when it
+spreads; a smaller rank gives longer rounds, and the bytes per token, proportional to r / H = r^2 / (H_1 r_1), fall
 with the rank. The mean over matrices rather than the max: one r serves every matrix of the replica, and the max
-is set by the single highest-rank matrix (on the tiny model the token and position embeddings, about 4x the median)
-and so barely moves, while error feedback carries what a matrix's rank-r payload misses into its next round.
-With compression on, Delta is an average of rank-r payloads, so rhat sees only what was sent (at most
-replicas * r): it asks how much of the sent rank was needed. With compression off, r only sets H.
+is set by the single highest-rank matrix (on the tiny model the token and position embeddings), while error
+feedback carries what a matrix's rank-r payload misses into its next round. With `--no-adaptive` the estimate is
+logged but not exchanged: it is this replica's own, pooled over its stages. With compression off, r only sets H.
+The power iteration's warm start survives the changes of r (LowRankQuantizeCompressor.warm_start).
 
-Staleness monitor: ||Delta_t - Delta_{t-1}|| / ||Delta_{t-1}|| over the stage, at every applied average: the
-one-step delay assumes it stays well below 1.
+Per sync the method reports (the train loop prefixes `sync_`): round, rank_r and local_steps_h (of the round just
+sent), estimated_rank (of the exchange applied), compression_error = ||c - D(P)|| / ||c|| over the stage,
+compression_error2 its square, next to omega2_paper, the paper's bound on it (Lemma 3.6 as the public review quotes
+it), 1 - (r/d) 2^-q, and omega2_corrected, (sqrt(1 - r/d) + 2^(-q/2))^2, the triangle inequality over the rank-r
+truncation (||C_L(x) - x||^2 <= (1 - r/d) ||x||^2 with d = min(m, n), the top r of d singular values holding at
+least r/d of the energy) and the quantization (||C_Q(y) - y||^2 <= 2^-q ||y||^2, ||y|| <= ||x||) that the review
+says the paper's expression does not follow from; both are weighted over the stage's tensors by ||c_W||^2, with r/d
+= 1 for a tensor sent whole (1-D, or a matrix whose factors would not be smaller). The power iteration is not the
+truncated SVD, so neither is a guarantee for what is measured. And a monitor, at every applied average:
+cosine(Delta_t, Delta_{t-1}) (the overlap's assumption is that consecutive averages point the same way),
+step_norm_ratio = ||theta_t - theta_{t-1}|| / ||Delta_t|| (eta (1 + mu) on the first step; it grows as momentum
+builds), and the old staleness = ||Delta_t - Delta_{t-1}|| / ||Delta_{t-1}||, all over the stage.
 """
 
 from __future__ import annotations
@@ -56,7 +104,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -73,10 +122,13 @@ from trainers.compression import (
 from trainers.method import Method, MethodContext, SyncReport, copy_into, tensor_bytes
 from trainers.optim import OuterOptimizer, validate_outer
 
+Overlap = Literal["none", "delayed", "eager", "streaming"]
+OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "streaming")
+
 
 @dataclass(frozen=True)
 class DiLoCoXConfig:
-    """DiLoCoX's published settings (H_1 = 125, int4, c = 5), with r_1 scaled to our models.
+    """DiLoCoX's published settings (H_1 = 125, int4, c = 5, one-step-delay overlap), with r_1 scaled to our models.
 
     The paper's r_1 = 2048 at hidden size 8192 (hidden / 4) halves a square matrix; 32 does the same at the
     tiny model's 128 and is hidden / 12 on the small model's 384.
@@ -88,7 +140,11 @@ class DiLoCoXConfig:
     rank: int = 32  # r_1, and the most r_t ever is
     bits: int = 4  # q
     bucket_size: int = 128
-    overlap: bool = True
+    # none | delayed | eager | streaming (the module docstring). A bool is read as it was when this was a switch:
+    # True is the paper's delayed update, False none, so `--set overlap=true,false` sweeps keep their meaning.
+    overlap: Overlap = "delayed"
+    overlap_steps: int = 5  # tau: streaming's exchange starts this many inner steps before the round ends
+    merge_alpha: float = 0.5  # streaming: the local copy's weight in the blend with theta (torchft's alpha)
     adaptive: bool = True
     compression: bool = True
     rank_window: int = 5  # c
@@ -100,7 +156,22 @@ class DiLoCoXConfig:
     final_sync: bool = True
 
     def __post_init__(self) -> None:
+        # method_config turns the string "none" into None (its "switch it off"), so None is `none` too.
+        if self.overlap is None or isinstance(self.overlap, bool):
+            object.__setattr__(self, "overlap", "delayed" if self.overlap else "none")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_MODES)}; got {self.overlap!r}")
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
+        if self.overlap_steps < 0:
+            raise ValueError(f"--overlap-steps must be at least 0, got {self.overlap_steps}")
+        # H_t never falls below H_1, so tau < H_1 leaves every round some steps before its exchange starts.
+        if self.overlap == "streaming" and self.overlap_steps >= self.local_steps:
+            raise ValueError(
+                f"--overlap-steps must be below --local-steps ({self.local_steps}) with --overlap streaming, "
+                f"got {self.overlap_steps}"
+            )
+        if not 0 <= self.merge_alpha <= 1:
+            raise ValueError(f"--merge-alpha must be in [0, 1], got {self.merge_alpha}")
         if self.rank < 1:
             raise ValueError(f"--rank must be at least 1, got {self.rank}")
         validate_quantization_flags(self.bits, self.bucket_size)
@@ -130,15 +201,29 @@ def adapted_schedule(estimates: Sequence[int], cfg: DiLoCoXConfig) -> tuple[int,
     return rank, min(cfg.local_steps_cap, round(cfg.local_steps * cfg.rank / rank))
 
 
+def omega2_bounds(sent_rank: int, dim: int, bits: int) -> tuple[float, float]:
+    """(paper omega^2, corrected bound) for one tensor sent at rank `sent_rank` of `dim` (see the module docstring)."""
+    kept = sent_rank / dim
+    return 1 - kept * 2.0**-bits, (math.sqrt(1 - kept) + 2.0 ** (-bits / 2)) ** 2
+
+
 @dataclass
 class _Exchange:
     """One round's pseudo-gradients on their way to every replica."""
 
     round: int
-    steps: int  # inner steps the round trained: applied with it
+    steps: int  # inner steps whose progress it carries: applied with it
     rank: int  # the r its payloads were encoded with: decoding them needs it, and r may change before they land
     buffers: list[torch.Tensor]  # compressed: every replica's payload; fp16: the one summed buffer (once done)
     inflight: InFlight
+    rank_totals: torch.Tensor  # [sum of matrix rank estimates, matrices]: over the replicas once `estimate` is done
+    estimate: InFlight  # the all-reduce of rank_totals (nothing on the wire without adaptation)
+    fields: dict = field(default_factory=dict)  # measured when sent: r, H, compression error and its bounds
+    own_share: list[torch.Tensor] | None = None  # eager: D(P_i), what this replica sent, decoded
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.inflight.payload_bytes + self.estimate.payload_bytes
 
 
 class DiLoCoX(Method):
@@ -156,53 +241,96 @@ class DiLoCoX(Method):
         # The window starts full of r_1: an early estimate, from pseudo-gradients of the warm-up, moves r only
         # 1/c of the way, and r keeps falling only while the estimates stay low.
         self.rank_estimates = deque([cfg.rank] * cfg.rank_window, maxlen=cfg.rank_window)
-        self.round = 0  # rounds completed
+        # s_i, where the round in progress started and its delta is measured from: theta itself, except that
+        # eager restarts from its own look-ahead.
+        self.round_start = self.global_params
+        if cfg.overlap == "eager":
+            self.round_start = [g.clone() for g in self.global_params]
+        self.round = 0  # rounds sent
         self.steps_in_round = 0
-        self.synchronized_steps = 0  # steps of the rounds applied to theta so far
-        self.in_flight: _Exchange | None = None  # with overlap: the last round's exchange, not yet applied
-        self.last_average: list[torch.Tensor] | None = None  # for the staleness monitor
+        self.unsent_steps = 0  # steps whose progress is only in the local weights, not yet in an exchange
+        self.synchronized_steps = 0  # steps of the exchanges applied to theta so far
+        self.sending: _Exchange | None = None  # streaming: this round's exchange, started tau steps before its end
+        self.in_flight: _Exchange | None = None  # delayed, eager: the last round's exchange, not yet applied
+        self.last_average: torch.Tensor | None = None  # for the monitor: the last Delta applied, flat
 
     def step(self, step: int) -> SyncReport | None:
         self.inner.step()
         self.steps_in_round += 1
+        self.unsent_steps += 1
+        if self.cfg.overlap == "streaming" and self.steps_in_round == self.local_steps - self.cfg.overlap_steps:
+            self.sending = self._send()
         if self.steps_in_round < self.local_steps:
             return None
         return self._outer_step()
 
     @torch.no_grad()
     def _outer_step(self) -> SyncReport:
-        self.round += 1
-        fields = {"round": self.round, "rank_r": self.compressor.rank, "local_steps_h": self.local_steps}
-        deltas = [g - p.float() for g, p in zip(self.global_params, self.params, strict=True)]
-        sent, fields["compression_error"] = self._send(deltas)
-        if self.cfg.overlap:
+        """The end of a round: send it (streaming sent it tau steps ago), apply what has landed, restart."""
+        sent = self.sending if self.sending is not None else self._send()
+        self.sending = None
+        if self.cfg.overlap in ("delayed", "eager"):
             # This round's exchange runs behind the next round's inner steps; the last round's lands now.
             arrived, self.in_flight = self.in_flight, sent
         else:
             arrived = sent
+        fields = dict(sent.fields)
         blocked_s = overlapped_s = 0.0
         if arrived is not None:
             blocked_s, overlapped_s, applied = self._apply(arrived)
             fields.update(applied)
-        # Round 1 under overlap applied nothing: theta is still theta_0, and the replicas restart from it.
-        copy_into(self.global_params, self.params)
+        # Round 1 under delayed and eager applied nothing: theta is still theta_0.
+        self._restart(sent)
         self.steps_in_round = 0
         return SyncReport(
-            payload_bytes=sent.inflight.payload_bytes, blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields
+            payload_bytes=sent.payload_bytes, blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields
         )
 
-    def _send(self, deltas: list[torch.Tensor]) -> tuple[_Exchange, float]:
-        """Start exchanging this round's pseudo-gradients; returns the exchange and the compression error.
+    def _restart(self, sent: _Exchange) -> None:
+        """Where the replica's next round starts (see --overlap in the module docstring)."""
+        if self.cfg.overlap == "eager":
+            # s_i = theta_t - eta (1 + mu) D(P_i^t) / n: the committed step had it held this replica's fresh share.
+            scale = self.cfg.outer_lr * (1 + self.cfg.outer_momentum) / self.ctx.replicas
+            for start, theta, own in zip(self.round_start, self.global_params, sent.own_share, strict=True):
+                torch.sub(theta, own, alpha=scale, out=start)
+            sent.own_share = None  # not needed while the exchange is in flight
+            copy_into(self.round_start, self.params)
+        elif self.cfg.overlap == "streaming":
+            # torchft's merge: lerp(global, local, alpha). The steps after the snapshot stay in the local weights
+            # at weight alpha, to travel with the next round's delta; at alpha = 0 they are gone.
+            merged = [
+                torch.lerp(g, p.detach().float(), self.cfg.merge_alpha)
+                for g, p in zip(self.global_params, self.params, strict=True)
+            ]
+            copy_into(merged, self.params)
+            if self.cfg.merge_alpha == 0:
+                self.unsent_steps = 0
+        else:
+            copy_into(self.global_params, self.params)
 
-        The error is the compressor's on its input (delta + residual), ||c - D(P)|| / ||c||: the quantity the
-        paper's bound omega^2 is about.
-        """
+    @torch.no_grad()
+    def _send(self) -> _Exchange:
+        """Start exchanging the progress since the round started (and, alongside, the rank estimate)."""
+        self.round += 1
+        fields = {"round": self.round, "rank_r": self.compressor.rank, "local_steps_h": self.local_steps}
+        deltas = [s - p.float() for s, p in zip(self.round_start, self.params, strict=True)]
+        steps, self.unsent_steps = self.unsent_steps, 0
         if not self.cfg.compression:
             # One flat fp16 bucket, summed in fp16 on the wire, exactly as OpenDiLoCo does.
             wire = flatten(deltas).to(torch.float16)
+            own_share = None
+            if self.cfg.overlap == "eager":
+                own_share = [torch.empty_like(d) for d in deltas]
+                unflatten_into(wire.float(), own_share)
             error = relative_error(flatten(deltas), wire)
+            fields.update(
+                compression_error=error, compression_error2=error**2, omega2_paper=None, omega2_corrected=None
+            )
+            totals, estimate = self._rank_totals(deltas)
             inflight = all_reduce_sum(wire, self.ctx.data_parallel_group)
-            return _Exchange(self.round, self.steps_in_round, self.compressor.rank, [wire], inflight), error
+            return _Exchange(
+                self.round, steps, self.compressor.rank, [wire], inflight, totals, estimate, fields, own_share
+            )
         payloads, compensated, transmitted = [], [], []
         for name, delta in zip(self.names, deltas, strict=True):
             c = self.error_feedback.compensate(name, delta)
@@ -216,25 +344,55 @@ class DiLoCoX(Method):
         # Every replica of the group uses the same shapes and r, so the buffers have equal sizes, as gather needs.
         buffers, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
         error = relative_error(flatten(compensated), flatten(transmitted))
-        return _Exchange(self.round, self.steps_in_round, self.compressor.rank, buffers, inflight), error
+        fields.update(compression_error=error, compression_error2=error**2, **self._omega2(compensated))
+        # Estimated on c, before compression: after it, at most r of its directions are left to see.
+        totals, estimate = self._rank_totals(compensated)
+        own_share = transmitted if self.cfg.overlap == "eager" else None
+        return _Exchange(
+            self.round, steps, self.compressor.rank, buffers, inflight, totals, estimate, fields, own_share
+        )
+
+    def _omega2(self, compensated: list[torch.Tensor]) -> dict:
+        """The paper's omega^2 and the corrected bound for this round's (r, d, q), weighted by ||c_W||^2."""
+        weights, bounds = [], []
+        for c in compensated:
+            # The compressor's own rule for what goes as factors (r = min(r_t, d) of d = min(m, n)); a tensor sent
+            # whole is only quantized: r / d = 1.
+            dim = min(c.shape[0], c[0].numel()) if c.ndim >= 2 else 1
+            sent_rank = min(self.compressor.rank, dim) if self.compressor._factored(c.shape) else dim
+            weights.append(float(c.double().pow(2).sum()))
+            bounds.append(omega2_bounds(sent_rank, dim, self.cfg.bits))
+        total = sum(weights)
+        if total == 0:
+            return {"omega2_paper": None, "omega2_corrected": None}
+        paper, corrected = (sum(w * b[i] for w, b in zip(weights, bounds, strict=True)) / total for i in (0, 1))
+        return {"omega2_paper": paper, "omega2_corrected": corrected}
+
+    def _rank_totals(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, InFlight]:
+        """This stage's [sum of estimate_rank over its matrices, matrices], and, with adaptation, its all-reduce
+        over the data-parallel group started (so the window gets the replicas' mean)."""
+        ranks = [estimate_rank(t.reshape(t.shape[0], -1), self.cfg.energy) for t in tensors if t.ndim >= 2]
+        totals = torch.tensor([sum(ranks), len(ranks)], dtype=torch.float64, device=tensors[0].device)
+        if not self.cfg.adaptive:
+            return totals, InFlight(None, 0)
+        return totals, all_reduce_sum(totals, self.ctx.data_parallel_group)
 
     @torch.no_grad()
     def _apply(self, exchange: _Exchange) -> tuple[float, float, dict]:
         """Wait for `exchange`, take the outer step with its average and adapt; (blocked, overlapped, fields)."""
         blocked_s, overlapped_s = exchange.inflight.wait()
+        waited_s, hidden_s = exchange.estimate.wait()
         average = self._average(exchange)
+        before = [g.clone() for g in self.global_params]
         self.outer.step(average)
         self.synchronized_steps += exchange.steps
 
-        fields = {"staleness": None, "estimated_rank": self._estimate_rank(average)}
-        if self.last_average is not None:
-            fields["staleness"] = relative_error(flatten(self.last_average), flatten(average))
-        self.last_average = average
+        fields = {"estimated_rank": self._estimated_rank(exchange.rank_totals), **self._monitor(before, average)}
         if self.cfg.adaptive:
             self.rank_estimates.append(fields["estimated_rank"])
             # Takes effect from the round that starts now: its payload and its length.
             self.compressor.rank, self.local_steps = adapted_schedule(self.rank_estimates, self.cfg)
-        return blocked_s, overlapped_s, fields
+        return blocked_s + waited_s, overlapped_s + hidden_s, fields
 
     def _average(self, exchange: _Exchange) -> list[torch.Tensor]:
         """Delta: the replicas' mean pseudo-gradient per parameter, identical on every rank."""
@@ -246,48 +404,66 @@ class DiLoCoX(Method):
         decoder = LowRankQuantizeCompressor(exchange.rank, self.cfg.bits, self.cfg.bucket_size)
         return mean_of_payloads(exchange.buffers, decoder, [g.shape for g in self.global_params], exchange.round)
 
-    def _estimate_rank(self, average: list[torch.Tensor]) -> int:
-        """rhat: the mean of estimate_rank over the matrices of the whole replica (see the module docstring).
+    def _estimated_rank(self, totals: torch.Tensor) -> int:
+        """rhat: the mean estimate over the matrices of every stage (and, with adaptation, every replica).
 
         The stages' sums and counts meet in one tiny all-reduce over the pipeline group (the fast link), so every
-        stage of a cluster keeps the same round length; each stage's average is identical on every cluster, so
-        every cluster gets the same rhat too.
+        stage of a cluster keeps the same round length; with adaptation `totals` already holds every replica's,
+        so every cluster gets the same rhat too.
         """
-        ranks = [estimate_rank(d.reshape(d.shape[0], -1), self.cfg.energy) for d in average if d.ndim >= 2]
-        totals = torch.tensor([sum(ranks), len(ranks)], dtype=torch.float64, device=average[0].device)
         if self.ctx.pipeline_group is not None:
+            totals = totals.clone()
             dist.all_reduce(totals, group=self.ctx.pipeline_group)
         total, count = totals.tolist()
         return math.ceil(total / count) if count else self.cfg.rank
 
+    def _monitor(self, before: list[torch.Tensor], average: list[torch.Tensor]) -> dict:
+        """cosine(Delta_t, Delta_{t-1}), ||theta_t - theta_{t-1}|| / ||Delta_t|| and the old staleness ratio."""
+        delta = flatten(average).double()
+        norm = float(torch.linalg.vector_norm(delta))
+        step = float(torch.linalg.vector_norm(flatten(self.global_params).double() - flatten(before).double()))
+        fields = {"cosine": None, "step_norm_ratio": step / norm if norm else None, "staleness": None}
+        if self.last_average is not None:
+            fields["staleness"] = relative_error(self.last_average, delta)
+            last_norm = float(torch.linalg.vector_norm(self.last_average))
+            if norm and last_norm:
+                fields["cosine"] = float(delta @ self.last_average) / (norm * last_norm)
+        self.last_average = delta
+        return fields
+
     def finish(self) -> SyncReport | None:
-        """Apply what is still in flight, so training ends on a theta that holds every round: with final_sync the
-        partial last round is exchanged first (as an ordinary, shorter round), then the last exchange is applied."""
-        payload_bytes = blocked_s = overlapped_s = 0.0
-        fields: dict = {}
-        if self.cfg.final_sync and self.steps_in_round:
-            partial = self._outer_step()
-            payload_bytes, blocked_s, overlapped_s = partial.payload_bytes, partial.blocked_s, partial.overlapped_s
-            fields = partial.fields
+        """Apply what is still in flight, so training ends on a theta that holds every round: a round whose
+        exchange already started (streaming) ends here; with final_sync the steps not yet sent are exchanged as an
+        ordinary, shorter round; then the last exchange in flight is applied, and every replica holds theta."""
+        reports = []
+        if self.sending is not None:
+            reports.append(self._outer_step())
+        if self.cfg.final_sync and self.unsent_steps:
+            reports.append(self._outer_step())
         if self.in_flight is not None:
             exchange, self.in_flight = self.in_flight, None
-            waited_s, hidden_s, fields = self._apply(exchange)
-            blocked_s, overlapped_s = blocked_s + waited_s, overlapped_s + hidden_s
-            copy_into(self.global_params, self.params)
-        if not fields:
+            blocked_s, overlapped_s, fields = self._apply(exchange)
+            reports.append(SyncReport(0, blocked_s, overlapped_s, fields))
+        copy_into(self.global_params, self.params)
+        if not reports:
             return None
         return SyncReport(
-            payload_bytes=int(payload_bytes), blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields
+            payload_bytes=sum(r.payload_bytes for r in reports),
+            blocked_s=sum(r.blocked_s for r in reports),
+            overlapped_s=sum(r.overlapped_s for r in reports),
+            fields={k: v for r in reports for k, v in r.fields.items()},
         )
 
     def applied_steps(self, trained_steps: int) -> int:
         return self.synchronized_steps
 
     def optimizer_state_bytes(self) -> int:
-        """Inner AdamW moments, theta, the outer momentum buffer and the error-feedback residuals, for this stage.
+        """Inner AdamW moments, theta, the outer momentum buffer, the error-feedback residuals and, under eager,
+        the look-ahead the round started from, for this stage.
 
-        Not counted: the compressor's warm-start factors Q (n x r per matrix), the staleness monitor's last
-        average, and the payload buffers of an exchange in flight: communication state, not optimizer state.
+        Not counted: the compressor's warm-start factors Q (n x r per matrix), the monitor's last average, and the
+        payload buffers of an exchange in flight: communication state, not optimizer state.
         """
         residuals = tensor_bytes(self.error_feedback.residuals.values())
-        return super().optimizer_state_bytes() + self.outer.state_bytes() + residuals
+        look_ahead = tensor_bytes(self.round_start) if self.round_start is not self.global_params else 0
+        return super().optimizer_state_bytes() + self.outer.state_bytes() + residuals + look_ahead
