@@ -22,6 +22,7 @@ from harness.errors import UserError
 from harness.events import read_events
 from harness.profiles import default_burst_bytes
 from trainers.models import count_parameters, get_model_config
+from trainers.registry import method_config
 
 DEFAULT_RUNS_DIR = Path("results") / "runs"
 SUMMARY_SCHEMA = 1
@@ -302,6 +303,8 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "failure": failure,
         "method": config.method,
         "method_options": config.method_options,
+        # DiLoCoX's overlap mode in force (its default when the user set none); None for other methods.
+        "overlap": getattr(method_config(config.method, config.method_options), "overlap", None),
         "profile": config.profile.name,
         "link_rate_bps": config.profile.inter_cluster.rate_bps,
         "backend": config.backend,
