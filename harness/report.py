@@ -62,7 +62,7 @@ _SUMMARY_SCALARS = (
     "param_count", "seed", "steps", "tokens", "trained_tokens", "applied_tokens", "throughput_warmup_steps", "wall_s",
     "tokens_per_s", "trained_tokens_per_s", "wire_bytes", "wire_bytes_per_token", "payload_bytes", "sync_count",
     "comm_blocked_s", "comm_overlapped_s", "overlap_hidden_fraction", "final_train_loss", "final_val_loss",
-    "initial_val_loss", "link_busbw_bps",
+    "initial_val_loss", "link_busbw_bps", "regime_target_r", "link_max_excess", "link_conforms",
 )  # fmt: skip
 # Per-run figures the comparison aggregates with their spread (module doc).
 SPREAD_METRICS = ("tokens_per_s", "trained_tokens_per_s", "compute_utilisation", "final_val_loss")
@@ -315,6 +315,16 @@ def comparison(tables: RunTables, target_loss: float | None = None) -> pd.DataFr
                     value, how = ratio(runs, group[group["variant"] == reference], "tokens_per_s")
                 row.update(_spread_columns(name, value))
                 row[f"{name}_pairing"] = how
+            # On a regime-matched link (harness/projection.py) the ratio that compares with the published one is
+            # (1 + R_target) x utilisation: the ratio this machine would show were its R exactly the target's.
+            target_r = pd.to_numeric(runs.get("regime_target_r"), errors="coerce")
+            scale = 1 + float(target_r.iloc[0]) if target_r is not None and not target_r.isna().all() else math.nan
+            row["regime_target_r"] = scale - 1
+            for suffix in ("", "_low", "_high"):
+                row[f"normalized_ratio{suffix}"] = scale * row[f"utilisation{suffix}"]
+            row["normalized_ratio_n"] = row["utilisation_n"]
+            row["normalized_ratio_pairing"] = row["utilisation_pairing"]
+            row["nonconforming_runs"] = int((runs.get("link_conforms", pd.Series(dtype=object)) == False).sum())  # noqa: E712
             fewest = runs["sync_count"].min()
             tokens_to = [reached[r][0] for r in runs["run_id"] if not math.isnan(reached[r][0])]
             time_to = [reached[r][1] for r in runs["run_id"] if not math.isnan(reached[r][1])]
@@ -501,6 +511,29 @@ def _target_line(group: pd.DataFrame) -> str:
     return f"Target validation loss: {target:.3f} (allreduce's final {target / TARGET_FACTOR:.3f} x {TARGET_FACTOR})."
 
 
+def _regime_table(group: pd.DataFrame) -> str:
+    """Regime-matched groups: the raw ratio, utilisation, and the ratio normalized to the target regime."""
+    target_r = group["regime_target_r"].iloc[0]
+    rows = [
+        [
+            r["variant"],
+            _ratio_cell(r, "ratio_to_allreduce", _times, _half_times),
+            _ratio_cell(r, "utilisation", _percent, _half_percent),
+            # local is utilisation's reference: its normalized ratio is 1 + R_target by definition.
+            f"{1 + target_r:.1f}x (by definition)"
+            if r["utilisation_pairing"] == "reference"
+            else _ratio_cell(r, "normalized_ratio", _times, _half_times),
+        ]
+        for _, r in group.iterrows()
+    ]
+    header = ["method", "vs allreduce (raw)", "utilisation (vs local)", f"(1 + {target_r:.1f}) x utilisation"]
+    return (
+        f"Regime-matched link (R_target = {target_r:.1f}): the raw ratio depends on the R this machine achieved; "
+        "(1 + R_target) x utilisation is the ratio at exactly the target's R, the one to compare with the "
+        "published.\n\n" + markdown_table(header, rows)
+    )
+
+
 def markdown(table: pd.DataFrame, runs: pd.DataFrame) -> str:
     """The comparison as markdown: a legend, one section per comparable group, then the failed runs."""
     parts = [LEGEND + "\n"]
@@ -519,6 +552,14 @@ def markdown(table: pd.DataFrame, runs: pd.DataFrame) -> str:
             text += (
                 f"\n\n{FEW_SYNCS}: its runs crossed the slow link fewer than {MIN_SYNCS} times, so its throughput says "
                 "little about communication; use more --steps or a smaller --local-steps."
+            )
+        if not group["regime_target_r"].isna().all():
+            text += "\n\n" + _regime_table(group)
+        if group["nonconforming_runs"].sum():
+            text += (
+                f"\n\n{int(group['nonconforming_runs'].sum())} run(s) here broke the link's rate (link_max_excess "
+                "above 1.02: their bytes ran ahead of rate x window + burst); their throughput is not a rate-true "
+                "measurement."
             )
         parts.append(text + "\n")
     failed = runs[runs["status"] != "ok"]

@@ -270,3 +270,21 @@ def test_cli_prints_markdown_and_writes_tables(results, tmp_path, monkeypatch):
     assert (tmp_path / "t" / "events.csv").is_file()
     failed = CliRunner().invoke(main, ["report", str(results), "--parquet", str(tmp_path / "c.parquet")])
     assert failed.exit_code == 2 and "neither is installed" in failed.output
+
+
+def test_a_regime_matched_group_shows_the_ratio_normalized_to_the_target(tmp_path):
+    """(1 + R_target) x utilisation: the ratio at exactly the target's R, next to the raw one."""
+    import json
+
+    for seed in (0, 1, 2):
+        for method, tokens_per_s in (("allreduce", 50.0), ("dilocox", 9_000.0), ("local", 18_000.0)):
+            out = write_run(tmp_path, f"{method}-s{seed}", method, seed=seed, tokens_per_s=tokens_per_s)
+            summary = json.loads((out / "summary.json").read_text())
+            summary["regime_target_r"] = 357.5
+            (out / "summary.json").write_text(json.dumps(summary))
+    tables = load_runs([tmp_path])
+    table = comparison(tables)
+    dilocox = table[table["method"] == "dilocox"].iloc[0]
+    assert dilocox["normalized_ratio"] == pytest.approx(358.5 * 0.5)
+    text = markdown(table, tables.runs)
+    assert "(1 + 357.5) x utilisation" in text and "179x" in text and "358.5x (by definition)" in text
