@@ -49,9 +49,11 @@ differs from the reference median by about 0.95 of one, so the band's edge sits 
 noise of the size the repeats showed fails a check rarely, even where 3 repeats underestimate it by half. The
 floors cover what repeats on one quiet machine cannot show (another machine of the same kind, another day):
 
-    utilisation           0.25  methods that block on the link part of the time move with the CPU's speed: between
-                                two machines of the same kind opendiloco and cocktail moved ~10% against dilocox;
-                                a halving (factor 2) still fails
+    utilisation           0.35  methods that block on the link part of the time move with the CPU's speed: between
+                                two machines of the same kind opendiloco and cocktail moved ~10% against dilocox,
+                                and a machine shared with other jobs (where the reference may be measured) against
+                                a quiet one (where CI runs) moves cocktail's compression compute and its link time
+                                differently; a halving (factor 2, outside 1/1.35) still fails
     ratio                 0.9   within 1.9x: another machine of the same kind measured 0.56x (dilocox) and 0.61x
                                 (opendiloco) the reference machine's ratios at 100 Mbit/s, which pass (the lower
                                 bound is 0.53x); a halving fails
@@ -108,7 +110,7 @@ class Metric:
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
-        Metric("utilisation", 0.25, 1.0, "could not catch a halving of its throughput", relative_to=CEILING),
+        Metric("utilisation", 0.35, 1.0, "could not catch a halving of its throughput", relative_to=CEILING),
         Metric("ratio", 0.9, math.inf, "", relative_to=BASELINE),
         Metric("wire_bytes_per_token", 0.1, 1.0, "could not catch twice the bytes", summary_key="wire_bytes_per_token"),
         Metric(
