@@ -217,8 +217,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
             f"({summary['clusters']} clusters x {summary['stages']} stages, {summary['backend']})",
         ),
         ("model", f"{summary['model']} ({summary['param_count'] / 1e6:.2f}M parameters)"),
-        ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,}"),
-        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s" if summary.get("tokens_per_s") else "-"),
+        ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,} trained, " + _applied(summary)),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} applied tokens/s" if summary.get("tokens_per_s") else "-"),
         ("loss", _loss_line(summary)),
         (
             "wire bytes",
@@ -228,6 +228,15 @@ def _print_summary(summary: dict[str, Any]) -> None:
             else "-",
         ),
     ]
+    if summary.get("link_max_excess") is not None:
+        verdict = "conforms" if summary["link_conforms"] else "BROKE the rate"
+        rows.append(
+            (
+                "link",
+                f"{verdict}: worst window {summary['link_max_excess']:.2f} x (rate x window + burst); "
+                f"TCP retransmitted {summary.get('tcp_retransmit_fraction') or 0:.1%} of segments",
+            )
+        )
     if summary.get("link_busbw_bps"):
         rows.append(
             (
@@ -246,6 +255,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def _print_warnings(warnings: list[str]) -> None:
     for warning in warnings:
         errors.print(Text.assemble(("warning: ", "yellow"), warning), highlight=False, soft_wrap=True)
+
+
+def _applied(summary: dict[str, Any]) -> str:
+    """Applied tokens: those whose updates are in the final synchronized parameters (README, "What is measured")."""
+    applied = summary.get("applied_tokens")
+    return "-" if applied is None else f"{applied:,} applied"
 
 
 def _print_text(text: str) -> None:
