@@ -83,9 +83,10 @@ class _Signals:
     (stopping workers, removing the cluster, writing the summary) cannot be cut short by a user pressing Ctrl-C
     again and again.
 
-    Every signal before teardown raises, not only the first: Python runs a handler wherever the main thread is,
-    and an exception raised inside a callback it guards (an at-fork hook of `logging`, a finalizer) is printed and
-    dropped, so a run that counted on its first signal would ignore the rest.
+    The handler only records: the runner raises Interrupted itself at points of its choosing (`check`, every poll
+    of the watch loop and between set-up steps). A handler that raised wherever the main thread happened to be
+    could land inside a callback Python guards (logging's at-fork hook, which runs at every fork pyroute2 makes to
+    read a namespace's counters; a finalizer), where the exception is printed and dropped, and the run went on.
     """
 
     def __init__(self) -> None:
@@ -106,8 +107,11 @@ class _Signals:
         if os.getpid() != self.runner_pid:
             os._exit(128 + signum)
         self.received.append(signal.Signals(signum).name)
-        if not self.tearing_down:
-            raise Interrupted(self.received[-1])
+
+    def check(self) -> None:
+        """Raise Interrupted if a signal arrived (and teardown has not begun)."""
+        if self.received and not self.tearing_down:
+            raise Interrupted(self.received[0])
 
 
 def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> str:
@@ -149,7 +153,9 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
         try:
             config.save(run_dir / "config.json")
             (run_dir / "logs").mkdir()
+            signals.check()
             cluster.up()
+            signals.check()
             record["cluster_setup_s"] = cluster.setup_s
             qdiscs = cluster.kernel_qdiscs()
             wire = _WireMeter(cluster)
@@ -163,7 +169,7 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
                 }
                 argv = [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)]
                 procs[rank] = cluster.spawn(rank, argv, env, run_dir / "logs" / f"rank{rank}.log")
-            failure = _watch(procs, topology, run_dir, config, wire, on_progress)
+            failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check)
             if failure is None:
                 record["wire_bytes_run"] = wire.total()
         except Interrupted as sig:
@@ -235,6 +241,7 @@ def _watch(
     config: RunConfig,
     wire: _WireMeter,
     on_progress: Callable[[dict[str, Any]], None] | None,
+    check_signals: Callable[[], None],
 ) -> str | None:
     """Wait for every rank; a rank that fails fails the run (the others would hang in collectives), and so does a
     run that makes no progress (the watchdog) or whose cluster disappears."""
@@ -246,6 +253,7 @@ def _watch(
     last_intact_check = last_t
     latest: dict[str, Any] = {}
     while True:
+        check_signals()
         if any(p.poll() not in (None, 0) for p in procs.values()):
             return _first_failure(procs, topology, run_dir)
         if all(p.poll() == 0 for p in procs.values()):
