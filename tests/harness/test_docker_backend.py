@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from harness.errors import UserError
+from harness.ownership import cleanup as cleanup_runs
+from harness.ownership import owner_alive
 from tests.harness.e2e import SMALL_RUN, harness, run_marker, summary_of, wait_for_steps
 from tests.harness.hoststate import leftovers, snapshot
 
@@ -194,6 +196,11 @@ def test_cleanup_removes_what_a_killed_harness_left(tmp_path, client, start_long
     assert left == sorted([f"{run_key}-{name}" for name in ("net", "c0", "c1", "r0", "r1")])
     assert sorted(cleanup(run_key)) == left
     assert_nothing_left(client, before, out)
+    # The backend's cleanup removes containers and networks; the dead run's lock file and staging folder are
+    # `harness cleanup`'s (harness/ownership.py), which this test leaves no less clean than it found.
+    report = cleanup_runs(run_key, [out.parent])
+    assert report.containers == [] and report.partial_folders == [out.parent / f".{out.name}.partial"]
+    assert owner_alive(run_key) is None
 
 
 @pytest.mark.usefixtures("client")
