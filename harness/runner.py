@@ -188,7 +188,15 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
     return summary
 
 
-def _teardown(config, folder, cluster, procs, failure, record, qdiscs) -> tuple[dict[str, Any], Path]:
+def _teardown(
+    config: RunConfig,
+    folder: RunFolder,
+    cluster: ClusterBackend,
+    procs: dict[int, Worker],
+    failure: str | None,
+    record: dict[str, Any],
+    qdiscs: list[dict],
+) -> tuple[dict[str, Any], Path]:
     """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
     teardown_errors = []
     for what, step in (("stopping the workers", lambda: _stop(procs)), ("removing the cluster", cluster.down)):

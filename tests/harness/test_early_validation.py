@@ -15,91 +15,21 @@ import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import click
 import pytest
-from click.testing import CliRunner, Result
 
 import harness.cli as cli
-import harness.config
 import harness.runner as runner
-from harness.backends import netns as netns_backend
 from harness.config import RunConfig
 from harness.errors import UserError
 from harness.profiles import MIN_BURST_BYTES, LinkSpec, ProfileError, load_profile
 from harness.results import DEFAULT_RUNS_DIR, ResultsError, RunFolder
-from tests.harness.hoststate import link_names, netns_names
+from tests.harness.refusal import (
+    assert_refused,
+    assert_started,
+)
 from trainers.config import OptimConfig, TrainConfig
 
-# The kernel creates ifb0/ifb1 when the ifb module is first loaded (the qdisc probe may do that): not the run's.
-KERNEL_MADE = re.compile(r"ifb\d+")
-TEST_KEY_HEX = "e0e0e0"
-# Objects of other harness runs (other tests, other users) may come and go meanwhile: not this test's.
-OTHER_RUN = re.compile(rf"hx(?!{TEST_KEY_HEX})[0-9a-f]{{6}}")
 SEQ_LEN = 64  # passed explicitly, so data sizes below do not depend on the default model's context
-
-
-class RunStarted(Exception):
-    """Raised by the stand-in for the real run: validation let the input through."""
-
-
-def host_state(root: Path) -> dict[str, list[str]]:
-    def mine(names: set[str]) -> list[str]:
-        return sorted(n for n in names if not KERNEL_MADE.fullmatch(n) and not OTHER_RUN.match(n))
-
-    return {
-        "netns": mine(netns_names()),
-        "links": mine(link_names()),
-        "files": sorted(str(p.relative_to(root)) for p in root.rglob("*")),
-    }
-
-
-@pytest.fixture
-def harness_cli(tmp_path, monkeypatch):
-    """Run `harness ARGS` in tmp_path on a 2-core machine; returns (result, host state before, after)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    for var in ("HARNESS_MAX_RATE", "HARNESS_TIMEOUT_S", netns_backend.REEXEC_MARK):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(cli.console, "_width", 80)
-    monkeypatch.setattr(harness.config.secrets, "token_hex", lambda nbytes: TEST_KEY_HEX)
-
-    def started(*args, **kwargs):
-        raise RunStarted("validation passed and the run started")
-
-    monkeypatch.setattr(runner, "run", started)
-    monkeypatch.setattr(netns_backend, "reexec_in_user_namespace", started)
-
-    def invoke(args: list[str]) -> tuple[Result, dict, dict]:
-        before = host_state(tmp_path)
-        result = CliRunner().invoke(cli.main, args)
-        return result, before, host_state(tmp_path)
-
-    return invoke
-
-
-def flat(output: str) -> str:
-    return " ".join(click.unstyle(output).split())
-
-
-def assert_refused(result: Result, before: dict, after: dict, expect: list[str], absent: list[str] = ()) -> None:
-    shown = f"exit {result.exit_code}, output:\n{result.output}\nexception: {result.exception!r}"
-    assert not isinstance(result.exception, RunStarted), f"validation let this through: {shown}"
-    assert result.exit_code == 2, shown
-    assert isinstance(result.exception, SystemExit), shown
-    assert "Traceback" not in result.output
-    printed = [line for line in click.unstyle(result.output).splitlines() if line.strip()]
-    assert len(printed) == 1, f"{len(printed)} lines:\n{result.output}"
-    text = flat(result.output)
-    assert text.startswith("error: "), shown
-    for fragment in expect:
-        assert fragment in text, f"{fragment!r} missing from: {text}"
-    for fragment in absent:
-        assert fragment not in text, f"{fragment!r} in: {text}"
-    assert after == before, "something was created"
-
-
-def assert_started(result: Result) -> None:
-    assert isinstance(result.exception, RunStarted), f"exit {result.exit_code}: {result.output}"
 
 
 @dataclass

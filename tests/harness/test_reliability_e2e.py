@@ -12,9 +12,8 @@ import pytest
 from pyroute2 import netns
 
 from harness.backends.netns import user_namespaces_work
-from tests.harness.e2e import HARNESS, SMALL_RUN, harness, run_marker, summary_of, wait_for_steps
+from tests.harness.e2e import HARNESS, SMALL_RUN, harness, rank_pid, run_marker, summary_of, wait_for_steps
 from tests.harness.hoststate import leftovers, snapshot, worker_pids
-from tests.harness.test_run_e2e import rank_pid
 
 pytestmark = pytest.mark.e2e
 

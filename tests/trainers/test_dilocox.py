@@ -17,38 +17,17 @@ import torch
 import torch.distributed as dist
 
 from tests.trainers.spawn import run_ranks
+from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.compression import low_rank_nbytes, quantized_nbytes
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches
 from trainers.dilocox import DiLoCoX, DiLoCoXConfig, adapted_schedule
-from trainers.method import MethodContext
 from trainers.models import DecoderLM, get_model_config
 from trainers.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.registry import build_method, method_config
 
 WORLD = 2
-# A constant, large inner learning rate makes every inner step move the weights visibly.
-TOY_OPTIM = OptimConfig(lr=1e-2, warmup_fraction=0.0, min_lr_ratio=1.0)
-
-
-def _context(model: torch.nn.Module, optim: OptimConfig, steps: int, group) -> MethodContext:
-    return MethodContext(list(model.named_parameters()), group, None, optim, steps, seed=0)
-
-
-def _params(tensors) -> list[torch.Tensor]:
-    return [t.detach().clone() for t in tensors]
-
-
-def _toy_model() -> torch.nn.Linear:
-    torch.manual_seed(0)
-    return torch.nn.Linear(8, 4)
-
-
-def _toy_backward(model: torch.nn.Module, rank: int, step: int) -> None:
-    g = torch.Generator().manual_seed(100 * rank + step)
-    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-    torch.nn.functional.mse_loss(model(x), y).backward()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -125,8 +104,8 @@ def test_error_feedback_conserves_the_signal_over_rounds():
     cfg = DiLoCoXConfig(
         local_steps=2, outer_lr=1.0, outer_momentum=0.0, rank=8, bits=2, min_rank=2, rank_window=2, final_sync=False
     )
-    method = DiLoCoX(_context(model, TOY_OPTIM, 40, None), cfg)
-    theta_0 = _params(method.global_params)
+    method = DiLoCoX(method_context(model, TOY_OPTIM, 40, None), cfg)
+    theta_0 = clones(method.global_params)
     g = torch.Generator().manual_seed(1)
     delta_sum = [torch.zeros_like(t) for t in theta_0]
     ranks = set()
@@ -163,32 +142,28 @@ def test_error_feedback_conserves_the_signal_over_rounds():
 def _equivalence_scenario(rank: int) -> dict:
     """OpenDiLoCo and DiLoCoX with every part off, side by side on copies of one model fed the same gradients."""
     steps, local_steps = 6, 2
-    a = _toy_model()
+    a = toy_model()
     b = copy.deepcopy(a)
-    diloco = OpenDiLoCo(_context(a, TOY_OPTIM, steps, dist.group.WORLD), OpenDiLoCoConfig(local_steps=local_steps))
+    diloco = OpenDiLoCo(
+        method_context(a, TOY_OPTIM, steps, dist.group.WORLD), OpenDiLoCoConfig(local_steps=local_steps)
+    )
     cfg = DiLoCoXConfig(local_steps=local_steps, overlap=False, compression=False, adaptive=False)
-    dilocox = DiLoCoX(_context(b, TOY_OPTIM, steps, dist.group.WORLD), cfg)
+    dilocox = DiLoCoX(method_context(b, TOY_OPTIM, steps, dist.group.WORLD), cfg)
     payloads = []
     for step in range(steps):
-        _toy_backward(a, rank, step)
-        _toy_backward(b, rank, step)
+        toy_backward(a, rank, step)
+        toy_backward(b, rank, step)
         reports = diloco.step(step), dilocox.step(step)
         if reports[0] is not None or reports[1] is not None:
             payloads.append(tuple(r.payload_bytes for r in reports))
     return {
-        "initial": _params(_toy_model().parameters()),
-        "diloco": _params(diloco.global_params),
-        "dilocox": _params(dilocox.global_params),
-        "dilocox_local": _params(b.parameters()),
+        "initial": clones(toy_model().parameters()),
+        "diloco": clones(diloco.global_params),
+        "dilocox": clones(dilocox.global_params),
+        "dilocox_local": clones(b.parameters()),
         "payloads": payloads,
         "finish": dilocox.finish(),
     }
-
-
-def _offset(rank: int, round_: int, shape: torch.Size) -> torch.Tensor:
-    """A replica's known progress in a round: multiples of 1/8, exact in fp32 and fp16."""
-    pattern = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) % 4 - 1.5
-    return pattern * 0.125 * (rank + 1) * round_
 
 
 def _delay_scenario(rank: int) -> dict:
@@ -198,22 +173,22 @@ def _delay_scenario(rank: int) -> dict:
         model.weight.fill_(0.5)
         model.bias.fill_(0.25)
     cfg = DiLoCoXConfig(local_steps=2, outer_lr=0.5, outer_momentum=0.0, compression=False, adaptive=False)
-    method = DiLoCoX(_context(model, TOY_OPTIM, 4, dist.group.WORLD), cfg)
-    out = {"theta_0": _params(method.global_params), "after": [], "local_after": [], "reports": []}
+    method = DiLoCoX(method_context(model, TOY_OPTIM, 4, dist.group.WORLD), cfg)
+    out = {"theta_0": clones(method.global_params), "after": [], "local_after": [], "reports": []}
     for step in range(4):
         if step % 2:
             # The round ends now: the replica's weights moved by a known offset from where the round started.
             with torch.no_grad():
                 for p in model.parameters():
-                    p += _offset(rank, step // 2 + 1, p.shape)
+                    p += known_offset(rank, step // 2 + 1, p.shape)
         report = method.step(step)
         if report is not None:
-            out["after"].append(_params(method.global_params))
-            out["local_after"].append(_params(model.parameters()))
+            out["after"].append(clones(method.global_params))
+            out["local_after"].append(clones(model.parameters()))
             out["reports"].append(report.as_event())
     out["finish"] = method.finish().as_event()
-    out["final"] = _params(method.global_params)
-    out["final_local"] = _params(model.parameters())
+    out["final"] = clones(method.global_params)
+    out["final_local"] = clones(model.parameters())
     return out
 
 
@@ -223,7 +198,7 @@ def _train_scenario(rank: int) -> dict:
     torch.manual_seed(0)
     model = DecoderLM(get_model_config("tiny"))
     batches = replica_batches(load_corpus(max_bytes=1 << 20), rank, WORLD, batch_size=8, seq_len=64, seed=0)
-    ctx = _context(model, OptimConfig(), steps, dist.group.WORLD)
+    ctx = method_context(model, OptimConfig(), steps, dist.group.WORLD)
     method = build_method("dilocox", method_config("dilocox", {"local_steps": 10}), ctx)
     losses, reports = [], {}
     for step in range(steps):
@@ -239,7 +214,7 @@ def _train_scenario(rank: int) -> dict:
         "losses": losses,
         "reports": reports,
         "finish": None if finish is None else finish.as_event(),
-        "global": _params(method.global_params),
+        "global": clones(method.global_params),
         "rank_r": method.compressor.rank,
         "local_steps": method.local_steps,
         "shapes": [p.shape for p in model.parameters()],
@@ -275,7 +250,7 @@ def test_overlap_applies_exactly_the_previous_round_average(two_replicas):
     lr = 0.5
 
     def average(round_: int) -> list[torch.Tensor]:
-        return [-(_offset(0, round_, t.shape) + _offset(1, round_, t.shape)) / 2 for t in out["theta_0"]]
+        return [-(known_offset(0, round_, t.shape) + known_offset(1, round_, t.shape)) / 2 for t in out["theta_0"]]
 
     delta_1, delta_2 = average(1), average(2)
     # Round 1: no average to apply yet, theta stays theta_0 and both replicas restart from it.

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.trainers.spawn import run_ranks
-from tests.trainers.test_dilocox import TOY_OPTIM, _context, _offset, _params, _toy_backward, _toy_model
+from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
 from trainers.dilocox import DiLoCoX, DiLoCoXConfig
 from trainers.method import MethodContext
 from trainers.registry import build_method, method_config
@@ -87,24 +87,24 @@ def test_cli_offers_the_modes_and_keeps_no_overlap():
 
 def _run(options: dict, steps: int, finish: bool = True, group=None, rank: int = 0) -> dict:
     """The toy model trained `steps` steps with real gradients; what the method reported and holds."""
-    model = _toy_model()
-    method = DiLoCoX(_context(model, TOY_OPTIM, steps, group), DiLoCoXConfig(**options))
+    model = toy_model()
+    method = DiLoCoX(method_context(model, TOY_OPTIM, steps, group), DiLoCoXConfig(**options))
     reports, restarts, thetas = [], [], []
     for step in range(steps):
-        _toy_backward(model, rank, step)
+        toy_backward(model, rank, step)
         report = method.step(step)
         if report is not None:
             reports.append({k: v for k, v in report.as_event().items() if k not in TIMINGS})
-            restarts.append(_params(model.parameters()))
-            thetas.append(_params(method.global_params))
+            restarts.append(clones(model.parameters()))
+            thetas.append(clones(method.global_params))
     final = method.finish() if finish else None
     return {
         "reports": reports,
         "restarts": restarts,
         "thetas": thetas,
         "finish": None if final is None else {k: v for k, v in final.as_event().items() if k not in TIMINGS},
-        "global": _params(method.global_params),
-        "local": _params(model.parameters()),
+        "global": clones(method.global_params),
+        "local": clones(model.parameters()),
         "applied": method.applied_steps(steps),
     }
 
@@ -154,18 +154,18 @@ def _hand_streaming() -> dict:
         local_steps=4, outer_lr=0.5, outer_momentum=0.0, compression=False, adaptive=False, overlap="streaming",
         overlap_steps=1, merge_alpha=0.5,
     )  # fmt: skip
-    method = DiLoCoX(_context(model, TOY_OPTIM, 4, None), cfg)
-    theta_0 = _params(method.global_params)
+    method = DiLoCoX(method_context(model, TOY_OPTIM, 4, None), cfg)
+    theta_0 = clones(method.global_params)
     weights = []
     for step in range(4):
         # No gradients, so the inner step leaves the weights; they move by a known offset per step instead.
         with torch.no_grad():
             for p in model.parameters():
-                p += _offset(0, 1, p.shape)
-        weights.append(_params(model.parameters()))
+                p += known_offset(0, 1, p.shape)
+        weights.append(clones(model.parameters()))
         method.step(step)
-    return {"theta_0": theta_0, "weights": weights, "theta": _params(method.global_params),
-            "local": _params(model.parameters())}  # fmt: skip
+    return {"theta_0": theta_0, "weights": weights, "theta": clones(method.global_params),
+            "local": clones(model.parameters())}  # fmt: skip
 
 
 def test_streaming_sends_tau_steps_early_and_blends():
@@ -208,7 +208,7 @@ def _applied(options: dict, steps: int, finish: bool) -> tuple[int, list, list]:
         method.step(step)
     if finish:
         method.finish()
-    return method.applied_steps(steps), _params(model.parameters()), _params(method.global_params)
+    return method.applied_steps(steps), clones(model.parameters()), clones(method.global_params)
 
 
 @pytest.mark.parametrize(
@@ -254,19 +254,19 @@ def _hand_rounds(rank: int, overlap: str) -> dict:
         local_steps=2, outer_lr=HAND_LR, outer_momentum=HAND_MOMENTUM, compression=False, adaptive=False,
         overlap=overlap,
     )  # fmt: skip
-    method = DiLoCoX(_context(model, TOY_OPTIM, 6, dist.group.WORLD), cfg)
-    out = {"theta_0": _params(method.global_params), "theta": [], "restart": []}
+    method = DiLoCoX(method_context(model, TOY_OPTIM, 6, dist.group.WORLD), cfg)
+    out = {"theta_0": clones(method.global_params), "theta": [], "restart": []}
     for step in range(6):
         if step % 2:
             with torch.no_grad():
                 for p in model.parameters():
-                    p += _offset(rank, step // 2 + 1, p.shape)
+                    p += known_offset(rank, step // 2 + 1, p.shape)
         if method.step(step) is not None:
-            out["theta"].append(_params(method.global_params))
-            out["restart"].append(_params(model.parameters()))
+            out["theta"].append(clones(method.global_params))
+            out["restart"].append(clones(model.parameters()))
     method.finish()
-    out["final"] = _params(method.global_params)
-    out["final_local"] = _params(model.parameters())
+    out["final"] = clones(method.global_params)
+    out["final_local"] = clones(model.parameters())
     return out
 
 
@@ -307,11 +307,11 @@ def test_eager_commits_the_delayed_recursion_and_restarts_ahead_by_its_fresh_sha
         scale = HAND_LR * (1 + HAND_MOMENTUM) / WORLD
         for t, (theta, restart) in enumerate(zip(eager["theta"], eager["restart"], strict=True), start=1):
             for theta_w, restart_w in zip(theta, restart, strict=True):
-                fresh = -_offset(rank, t, theta_w.shape)
+                fresh = -known_offset(rank, t, theta_w.shape)
                 torch.testing.assert_close(restart_w, theta_w - scale * fresh, rtol=0, atol=1e-7)
                 # Not the stale share swapped in on the committed theta: that restart lacks round t-1's own share.
                 if t > 1:
-                    stale = -_offset(rank, t - 1, theta_w.shape)
+                    stale = -known_offset(rank, t - 1, theta_w.shape)
                     assert (restart_w - (theta_w - scale * (fresh - stale))).abs().max() > 1e-2
         assert all(torch.equal(a, b) for a, b in zip(delayed["restart"][0], delayed["theta_0"], strict=True))
         # finish() leaves every replica on the committed theta.

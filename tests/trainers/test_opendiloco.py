@@ -14,41 +14,20 @@ import torch
 import torch.distributed as dist
 
 from tests.trainers.spawn import run_ranks
+from tests.trainers.toy import TOY_OPTIM, clones, method_context, toy_backward, toy_model
 from trainers.comm import allreduce_payload_bytes
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches, validation_batches
-from trainers.method import MethodContext
 from trainers.models import DecoderLM, get_model_config
 from trainers.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.optim import clip_grad_norm, inner_optimizer
 from trainers.registry import build_method, method_config
 
 WORLD = 2
-# A constant, large inner learning rate makes every inner step move the weights visibly.
-TOY_OPTIM = OptimConfig(lr=1e-2, warmup_fraction=0.0, min_lr_ratio=1.0)
 
 
 def _spawn(scenario, args: tuple, out_dir: Path) -> list:
     return run_ranks(scenario, args, out_dir, WORLD)
-
-
-def _toy_model() -> torch.nn.Linear:
-    torch.manual_seed(0)
-    return torch.nn.Linear(8, 4)
-
-
-def _toy_backward(model: torch.nn.Module, rank: int, step: int) -> None:
-    g = torch.Generator().manual_seed(100 * rank + step)
-    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-
-
-def _context(model: torch.nn.Module, optim: OptimConfig, steps: int, group) -> MethodContext:
-    return MethodContext(list(model.named_parameters()), group, None, optim, steps, seed=0)
-
-
-def _params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -94,23 +73,23 @@ class _Twin:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return _params(self.model)
+        return clones(self.model.parameters())
 
 
 def _average_scenario(rank: int, dtype: str, steps: int) -> dict:
     """H=1, outer lr 1, no momentum: theta_global must become the mean of the replicas after their inner step."""
-    model = _toy_model()
+    model = toy_model()
     method = OpenDiLoCo(
-        _context(model, TOY_OPTIM, steps, dist.group.WORLD),
+        method_context(model, TOY_OPTIM, steps, dist.group.WORLD),
         OpenDiLoCoConfig(local_steps=1, outer_lr=1.0, outer_momentum=0.0, pseudo_grad_dtype=dtype),
     )
     twin = _Twin(model, steps)
     out = {"inner": [], "synced": []}
     for step in range(steps):
-        _toy_backward(model, rank, step)
+        toy_backward(model, rank, step)
         out["inner"].append(twin.inner_step(model))
         assert method.step(step) is not None
-        out["synced"].append(_params(model))
+        out["synced"].append(clones(model.parameters()))
     return out
 
 
@@ -128,18 +107,20 @@ def test_outer_step_with_lr_one_averages_the_replicas(tmp_path, dtype, tol):
 
 
 def _cadence_scenario(rank: int, local_steps: int, steps: int) -> dict:
-    model = _toy_model()
-    method = OpenDiLoCo(_context(model, TOY_OPTIM, steps, dist.group.WORLD), OpenDiLoCoConfig(local_steps=local_steps))
+    model = toy_model()
+    method = OpenDiLoCo(
+        method_context(model, TOY_OPTIM, steps, dist.group.WORLD), OpenDiLoCoConfig(local_steps=local_steps)
+    )
     reports, swapped_in, restored = {}, [], []
     for step in range(steps):
-        _toy_backward(model, rank, step)
+        toy_backward(model, rank, step)
         report = method.step(step)
         if report is not None:
             reports[step] = report.as_event()
-        local = _params(model)
+        local = clones(model.parameters())
         with method.eval_parameters():
-            swapped_in.append(_params(model))
-        restored.append(all(torch.equal(a, b) for a, b in zip(local, _params(model), strict=True)))
+            swapped_in.append(clones(model.parameters()))
+        restored.append(all(torch.equal(a, b) for a, b in zip(local, clones(model.parameters()), strict=True)))
     return {
         "reports": reports,
         "swapped_in": swapped_in,
@@ -172,19 +153,19 @@ def test_syncs_every_h_steps_with_fp16_all_reduce_payload(tmp_path):
 
 def test_one_cluster_still_takes_the_outer_step():
     """Without a data-parallel group the outer step runs on the local pseudo-gradient alone."""
-    model = _toy_model()
-    start = _params(model)
+    model = toy_model()
+    start = clones(model.parameters())
     method = OpenDiLoCo(
-        _context(model, TOY_OPTIM, 1, None),
+        method_context(model, TOY_OPTIM, 1, None),
         OpenDiLoCoConfig(local_steps=1, outer_lr=0.5, outer_momentum=0.0, pseudo_grad_dtype="fp32"),
     )
     twin = _Twin(model, 1)
-    _toy_backward(model, 0, 0)
+    toy_backward(model, 0, 0)
     inner = twin.inner_step(model)
     report = method.step(0)
     assert report is not None and report.payload_bytes == 0
     # Outer lr 0.5 moves theta_global half way from the start towards the weights after the inner step.
-    for synced, before, after in zip(_params(model), start, inner, strict=True):
+    for synced, before, after in zip(clones(model.parameters()), start, inner, strict=True):
         assert (after - before).abs().max() > 1e-3
         assert torch.allclose(synced, (before + after) / 2, rtol=0, atol=1e-6)
 
@@ -200,7 +181,7 @@ def _train_scenario(rank: int, options: dict, steps: int) -> dict:
     model = DecoderLM(get_model_config("tiny"))
     corpus = load_corpus(max_bytes=1 << 20)
     batches = replica_batches(corpus, rank, WORLD, batch_size=8, seq_len=64, seed=0)
-    ctx = _context(model, OptimConfig(), steps, dist.group.WORLD)
+    ctx = method_context(model, OptimConfig(), steps, dist.group.WORLD)
     method = build_method("opendiloco", method_config("opendiloco", options), ctx)
     losses = []
     for step in range(steps):
