@@ -3,12 +3,12 @@
 # well as AllReduce at equal applied tokens. Run from a clean checkout so every summary records git_dirty: false;
 # each sweep resumes where it stopped when rerun. Usage: scripts/convergence-study.sh [OUT_ROOT]
 #
-# The link is 10gbps because the loss does not depend on it (every overlap mode's schedule is counted in steps, not
+# The link is unshaped because the loss does not depend on it (every overlap mode's schedule is counted in steps, not
 # seconds) and a slower link only makes AllReduce take longer. H = 50 for every DiLoCo-family run, so 2000 steps
 # make 40 rounds.
 set -euo pipefail
 out=${1:-results/reference}
-common=(--profiles 10gbps --seeds 0,1,2 --model tiny --steps 2000 --eval-every 100 --local-steps 50)
+common=(--profiles unshaped --seeds 0,1,2 --model tiny --steps 2000 --eval-every 100 --local-steps 50)
 
 # AllReduce, OpenDiLoCo, and DiLoCoX in every overlap mode at the paper's outer settings (lr 0.7, momentum 0.9),
 # with adaptive and with fixed compression.
@@ -21,5 +21,5 @@ harness sweep --methods dilocox "${common[@]}" --set overlap=delayed --set adapt
 
 # A shifting data stream: every 50 steps each replica's shard moves to another part of the corpus, so consecutive
 # rounds' averages need not point the same way (the delayed update's assumption).
-harness sweep --methods allreduce,dilocox --profiles 10gbps --seeds 0,1 --model tiny --steps 2000 --eval-every 100 \
+harness sweep --methods allreduce,dilocox --profiles unshaped --seeds 0,1 --model tiny --steps 2000 --eval-every 100 \
     --local-steps 50 --data-shift 50 --set overlap=none,delayed,eager --out "$out/convergence-tiny-shift"
