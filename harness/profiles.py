@@ -1,12 +1,32 @@
-"""Network profiles: netem_profiles/*.yaml -> validated LinkSpecs.
+"""Network profiles: netem_profiles/*.yaml (or a tcconfig JSON file) -> validated LinkSpecs.
 
 A profile names two links: the inter-cluster link (the slow WAN between sites that the methods are compared on)
 and the intra-cluster link (between the pipeline stages of one site; unshaped by default). Rates use tc's units
 (``1gbit``, ``500mbit``), sizes tc's byte units (``256kb`` = 256 KiB), times ``ms``/``us``/``s``, loss ``0.1%``.
+
+What a link's keys mean, between two clusters (sites):
+
+- ``rate``: the bandwidth each cluster gets onto the link, in each direction (``burst``, ``latency``: tbf's bucket
+  and queue bound).
+- ``delay``: the ONE-WAY delay between two clusters; the round-trip time is 2 x delay (``rtt_ms``). A profile with
+  a 40 ms RTT says ``delay: 20ms``.
+- ``jitter``: how much the one-way delay varies (delay +- jitter); a round trip varies by up to 2 x jitter.
+- ``loss``: the chance that a packet sent from one cluster never reaches the other (one-way).
+- ``reorder`` (default false): whether jitter may reorder packets. Without it every packet leaves after the one
+  ahead of it, as on a real path, and a jitter larger than the delay is refused (it could only be had by
+  reordering).
+
+How the emulation realises that: clusters connect in a star through a switch, and each cluster's access link is
+emulated in both directions, so a packet between two clusters crosses two link hops. Each hop carries half of the
+profile's one-way values: ``hop_delay_ms`` = delay / 2, ``hop_jitter_ms`` = jitter / 2, and ``hop_loss_pct`` such
+that two hops lose the profile's one-way loss (1 - (1 - hop)^2 = loss). The backends apply the hop values; nobody
+else should halve anything. harness/tcconfig.py, for real hosts, exports the full one-way values instead (each site
+shapes its own egress once).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -35,7 +55,10 @@ GSO_SEGMENT_BYTES = 64 * 1024
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _SIZE_UNITS = {"b": 1, "kb": 1024, "k": 1024, "mb": 1024**2, "m": 1024**2, "gb": 1024**3}
 _TIME_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
-_LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss"}
+_LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss", "reorder"}
+# No terrestrial or satellite path is slower one way (geostationary: ~280 ms one way, ~600 ms RTT); a larger delay
+# is almost certainly a unit mistake (2s for 2ms).
+MAX_DELAY_MS = 2000.0
 _PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster"}
 
 
@@ -43,8 +66,12 @@ class ProfileError(UserError):
     """A profile that cannot be used; the message is one sentence naming the fix."""
 
 
-def _parse(value: object, units: dict[str, float], what: str, example: str) -> float:
+def _parse(value: object, units: dict[str, float], what: str, example: str, signed: bool = False) -> float:
+    """`signed`: a negative number with a known unit gets its own message (else it is "not understood")."""
     text = str(value).strip().lower()
+    negative = re.fullmatch(r"-\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z%]*)", text)
+    if signed and negative and negative.group(2) in units:
+        raise ProfileError(f"{what} {value!r} must not be negative; write 0 or more, e.g. {example}")
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z%]*)", text)
     if not match or match.group(2) not in units:
         raise ProfileError(
@@ -70,12 +97,12 @@ def parse_size_bytes(value: object) -> int:
     return int(size)
 
 
-def parse_time_ms(value: object) -> float:
-    return _parse(value, _TIME_UNITS, "time", "20ms")
+def parse_time_ms(value: object, what: str = "time") -> float:
+    return _parse(value, _TIME_UNITS, what, "20ms", signed=True)
 
 
 def parse_loss_pct(value: object) -> float:
-    pct = _parse(value, {"%": 1.0, "": 1.0}, "loss", "0.1%")
+    pct = _parse(value, {"%": 1.0, "": 1.0}, "loss", "0.1%", signed=True)
     if not 0 <= pct < 100:
         raise ProfileError(f"loss {value!r} must be a percentage in [0, 100)")
     return pct
@@ -93,6 +120,8 @@ class LinkSpec:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
+    # Whether jitter may reorder packets (netem's behaviour); by default a packet never overtakes the one before it.
+    reorder: bool = False
 
     def __post_init__(self) -> None:
         if self.burst_bytes is None:
@@ -108,7 +137,27 @@ class LinkSpec:
     def shaped(self) -> bool:
         return self.rate_bps is not None or self.needs_netem
 
+    @property
+    def rtt_ms(self) -> float:
+        """Round-trip time between two clusters: `delay` is one-way."""
+        return 2 * self.delay_ms
+
+    @property
+    def hop_delay_ms(self) -> float:
+        """The delay of one of the two link hops between two clusters (each cluster's access link): half."""
+        return self.delay_ms / 2
+
+    @property
+    def hop_jitter_ms(self) -> float:
+        return self.jitter_ms / 2
+
+    @property
+    def hop_loss_pct(self) -> float:
+        """One hop's loss, such that two hops in a row lose the profile's one-way loss: 1 - (1 - hop)^2 = loss."""
+        return 100 * (1 - math.sqrt(1 - self.loss_pct / 100))
+
     def describe(self) -> str:
+        """E.g. "1 Gbit/s (burst 244 KiB = 2.0 ms), RTT 40 ms +- 2 ms, loss 1%"."""
         if not self.shaped:
             return "unshaped"
         parts = []
@@ -116,10 +165,30 @@ class LinkSpec:
             line_time_ms = self.burst_bytes * 8 / self.rate_bps * 1000
             parts.append(f"{format_rate(self.rate_bps)} (burst {self.burst_bytes // 1024} KiB = {line_time_ms:.1f} ms)")
         if self.delay_ms:
-            parts.append(f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else ""))
+            rtt = f"RTT {self.rtt_ms:g} ms"
+            if self.jitter_ms:
+                rtt += f" +- {2 * self.jitter_ms:g} ms" + (" (reordering)" if self.reorder else "")
+            parts.append(rtt)
         if self.loss_pct:
             parts.append(f"loss {self.loss_pct:g}%")
         return ", ".join(parts)
+
+    def check(self, where: str) -> None:
+        """Refuse delay settings no link has; `where` names the link (e.g. "mine.yaml: inter_cluster")."""
+        if self.delay_ms < 0 or self.jitter_ms < 0:
+            raise ProfileError(f"{where}: delay and jitter must not be negative; write 0ms or more")
+        if self.delay_ms > MAX_DELAY_MS:
+            raise ProfileError(
+                f"{where}: delay {self.delay_ms:g} ms is above {MAX_DELAY_MS:g} ms one-way; no terrestrial or "
+                "satellite link is that slow (delay is one-way, half the RTT; check the unit)"
+            )
+        if self.jitter_ms and not self.delay_ms:
+            raise ProfileError(f"{where} sets jitter without delay; add a delay (jitter varies it)")
+        if self.jitter_ms > self.delay_ms and not self.reorder:
+            raise ProfileError(
+                f"{where}: jitter {self.jitter_ms:g} ms is larger than the delay {self.delay_ms:g} ms, which would "
+                "reorder packets; lower the jitter or set reorder: true"
+            )
 
     @classmethod
     def from_yaml(cls, data: object, where: str) -> LinkSpec:
@@ -134,16 +203,23 @@ class LinkSpec:
             "rate": ("rate_bps", parse_rate_bps),
             "burst": ("burst_bytes", parse_size_bytes),
             "latency": ("latency_ms", parse_time_ms),
-            "delay": ("delay_ms", parse_time_ms),
-            "jitter": ("jitter_ms", parse_time_ms),
+            "delay": ("delay_ms", lambda v: parse_time_ms(v, "delay")),
+            "jitter": ("jitter_ms", lambda v: parse_time_ms(v, "jitter")),
             "loss": ("loss_pct", parse_loss_pct),
+            "reorder": ("reorder", lambda v: _parse_bool(v, f"{where}: reorder")),
         }
         kwargs = {field: parse(data[key]) for key, (field, parse) in parsers.items() if key in data}
-        if kwargs.get("jitter_ms") and not kwargs.get("delay_ms"):
-            raise ProfileError(f"{where} sets jitter without delay; add a delay (jitter varies it)")
         if "burst_bytes" in kwargs:
             check_burst(kwargs.get("rate_bps"), kwargs["burst_bytes"], str(data["burst"]).strip(), f"{where}: ")
-        return cls(**kwargs)
+        spec = cls(**kwargs)
+        spec.check(where)
+        return spec
+
+
+def _parse_bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{what} {value!r} must be true or false")
+    return value
 
 
 def default_burst_bytes(rate_bps: float) -> int:
@@ -188,8 +264,13 @@ def known_profiles() -> list[str]:
 
 
 def load_profile(name_or_path: str) -> Profile:
-    """A profile by name (netem_profiles/NAME.yaml) or by a path to the user's own YAML file."""
+    """A profile by name (netem_profiles/NAME.yaml), by a path to the user's own YAML file, or by a path to a
+    tcconfig settings file (``*.json``, what ``tcshow`` prints; harness/tcconfig.py)."""
     path = Path(name_or_path)
+    if path.suffix.lower() == ".json":
+        from harness.tcconfig import load_tcconfig  # lazily: `harness --help` imports nothing of it
+
+        return load_tcconfig(name_or_path)
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
         if _is_dir(path):
             raise _folder_error(name_or_path)
@@ -262,3 +343,31 @@ def check_shapeable(profile: Profile) -> None:
                 f"machine can shape faithfully (~{format_rate(ceiling)} with {os.cpu_count()} cores); use a slower "
                 "profile or set HARNESS_MAX_RATE if you have measured that your machine keeps up"
             )
+
+
+def profiles_table_rows() -> list[dict]:
+    """One row per shipped profile, for `harness profiles list`: rate, RTT, jitter and loss side by side.
+
+    Keys: name, rate (e.g. "1 Gbit/s", or "unshaped"), rate_bps (int or None), rtt (e.g. "40 ms", "-" without
+    delay), rtt_ms, jitter ("+- 2 ms" on the round trip, or "-"), jitter_ms (one-way), loss ("1%" one-way, or "-"),
+    loss_pct, description.
+    """
+    rows = []
+    for name in known_profiles():
+        profile = load_profile(name)
+        link = profile.inter_cluster
+        rows.append(
+            {
+                "name": name,
+                "rate": format_rate(link.rate_bps) if link.rate_bps is not None else "unshaped",
+                "rate_bps": link.rate_bps,
+                "rtt": f"{link.rtt_ms:g} ms" if link.delay_ms else "-",
+                "rtt_ms": link.rtt_ms,
+                "jitter": f"+- {2 * link.jitter_ms:g} ms" if link.jitter_ms else "-",
+                "jitter_ms": link.jitter_ms,
+                "loss": f"{link.loss_pct:g}%" if link.loss_pct else "-",
+                "loss_pct": link.loss_pct,
+                "description": profile.description,
+            }
+        )
+    return rows

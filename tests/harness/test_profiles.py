@@ -1,5 +1,7 @@
-"""netem_profiles/*.yaml -> validated LinkSpecs: units, refusals with messages that name the fix, rate ceiling."""
+"""netem_profiles/*.yaml -> validated LinkSpecs: units, refusals with messages that name the fix, rate ceiling, the
+one-way/RTT/hop semantics of delay, jitter and loss, and the shipped profiles' RTTs."""
 
+import math
 import os
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from harness.profiles import (
     parse_rate_bps,
     parse_size_bytes,
     parse_time_ms,
+    profiles_table_rows,
 )
 
 SHIPPED = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "netem_profiles").glob("*.yaml"))
@@ -92,7 +95,10 @@ def test_wan_profile_needs_netem():
     assert p.inter_cluster.jitter_ms == 1.0
     assert p.inter_cluster.needs_netem and p.needs_netem
     assert not p.intra_cluster.needs_netem
-    assert "delay 20 ms +- 1 ms" in p.inter_cluster.describe()
+    # delay is one-way: 20 ms each way is a 40 ms round trip, +- 2 x 1 ms.
+    assert p.inter_cluster.rtt_ms == 40.0
+    assert p.inter_cluster.describe() == "1 Gbit/s (burst 244 KiB = 2.0 ms), RTT 40 ms +- 2 ms"
+    assert "RTT 40 ms" in p.description and "needs sch_netem" not in p.description
 
 
 def test_describe_and_format_rate():
@@ -296,7 +302,8 @@ def test_link_must_be_a_mapping(tmp_path):
         ("  rate: 1gbps\n", "rate '1gbps' is not understood"),
         ("  rate: 0mbit\n", "use a larger rate"),
         ("  burst: 0kb\n", "must be positive"),
-        ("  delay: 20\n", "time 20 is not understood"),
+        ("  delay: 20\n", "delay 20 is not understood"),
+        ("  jitter: 1\n", "jitter 1 is not understood"),
         ("  loss: 100%\n", "must be a percentage"),
     ],
 )
@@ -362,3 +369,180 @@ def test_bad_max_rate_override_names_the_variable(two_cores, monkeypatch):
     monkeypatch.setenv("HARNESS_MAX_RATE", "fast")
     with pytest.raises(ProfileError, match="HARNESS_MAX_RATE"):
         max_shapeable_rate_bps()
+
+
+# --- one-way delay, RTT and the two emulated hops ---------------------------------------------------------------
+
+
+def test_delay_is_one_way_and_rtt_is_twice_it():
+    link = LinkSpec(delay_ms=35.0, jitter_ms=2.0)
+    assert link.rtt_ms == 70.0
+    assert LinkSpec().rtt_ms == 0.0
+
+
+@pytest.mark.parametrize(
+    ("delay", "jitter", "loss"), [(20.0, 1.0, 1.0), (0.5, 0.0, 0.0), (95.0, 0.0, 5.0), (15, 2.5, 99)]
+)
+def test_two_hops_make_the_profiles_one_way_link(delay, jitter, loss):
+    link = LinkSpec(delay_ms=delay, jitter_ms=jitter, loss_pct=loss)
+    assert link.hop_delay_ms == delay / 2 and 2 * link.hop_delay_ms == delay
+    assert link.hop_jitter_ms == jitter / 2
+    # A packet survives the path only if it survives both hops.
+    survive_both = (1 - link.hop_loss_pct / 100) ** 2
+    assert 100 * (1 - survive_both) == pytest.approx(loss, abs=1e-9)
+    assert link.hop_loss_pct <= loss
+
+
+def test_hop_loss_is_less_than_half_the_loss_would_suggest_wrongly():
+    # Halving 1% per hop would give 1 - 0.995^2 = 0.9975% one-way; the hop value composes to exactly 1%.
+    hop = LinkSpec(loss_pct=1.0).hop_loss_pct
+    assert hop == pytest.approx(100 * (1 - math.sqrt(0.99)))
+    assert 0.5 < hop < 0.51
+
+
+@pytest.mark.parametrize(
+    ("link", "text"),
+    [
+        (
+            LinkSpec(rate_bps=10**9, delay_ms=20, jitter_ms=1, loss_pct=1),
+            "1 Gbit/s (burst 244 KiB = 2.0 ms), RTT 40 ms +- 2 ms, loss 1%",
+        ),
+        (LinkSpec(delay_ms=0.5), "RTT 1 ms"),
+        (
+            LinkSpec(rate_bps=10**8, delay_ms=15, jitter_ms=2.5, loss_pct=1),
+            "100 Mbit/s (burst 64 KiB = 5.2 ms), RTT 30 ms +- 5 ms, loss 1%",
+        ),
+        (LinkSpec(delay_ms=1, jitter_ms=3, reorder=True), "RTT 2 ms +- 6 ms (reordering)"),
+        (LinkSpec(loss_pct=0.5), "loss 0.5%"),
+    ],
+)
+def test_describe_shows_rate_rtt_and_loss(link, text):
+    assert link.describe() == text
+
+
+# --- delay, jitter and reorder in a user profile ----------------------------------------------------------------
+
+
+def test_reorder_key(tmp_path):
+    p = load_profile(write(tmp_path, "inter_cluster:\n  delay: 1ms\n  jitter: 5ms\n  reorder: true\n"))
+    assert p.inter_cluster == LinkSpec(delay_ms=1.0, jitter_ms=5.0, reorder=True)
+    assert load_profile(write(tmp_path, "inter_cluster:\n  delay: 1ms\n", "plain.yaml")).inter_cluster.reorder is False
+
+
+def test_reorder_must_be_a_boolean(tmp_path):
+    with pytest.raises(ProfileError, match="reorder 'sometimes' must be true or false"):
+        load_profile(write(tmp_path, "inter_cluster:\n  delay: 1ms\n  reorder: sometimes\n"))
+
+
+@pytest.mark.parametrize("key", ["delay", "jitter"])
+def test_negative_delay_or_jitter_says_so(tmp_path, key):
+    with pytest.raises(ProfileError) as err:
+        load_profile(write(tmp_path, f"inter_cluster:\n  delay: 10ms\n  {key}: -5ms\n"))
+    assert str(err.value) == f"{key} '-5ms' must not be negative; write 0 or more, e.g. 20ms"
+
+
+def test_negative_time_and_loss_say_so():
+    with pytest.raises(ProfileError, match="time '-5ms' must not be negative"):
+        parse_time_ms("-5ms")
+    with pytest.raises(ProfileError, match="loss '-1%' must not be negative"):
+        parse_loss_pct("-1%")
+
+
+def test_negative_link_values_are_refused_by_check():
+    with pytest.raises(ProfileError, match="x: delay and jitter must not be negative"):
+        LinkSpec(delay_ms=-1).check("x")
+
+
+@pytest.mark.parametrize(("jitter", "ok"), [("5ms", True), ("5.5ms", False), ("20ms", False)])
+def test_jitter_above_delay_needs_reorder(tmp_path, jitter, ok):
+    path = write(tmp_path, f"inter_cluster:\n  delay: 5ms\n  jitter: {jitter}\n")
+    if ok:
+        assert load_profile(path).inter_cluster.jitter_ms == 5.0
+        return
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    message = str(err.value)
+    assert message.startswith("mine.yaml: inter_cluster: jitter ")
+    assert (
+        "is larger than the delay 5 ms, which would reorder packets; lower the jitter or set reorder: true" in message
+    )
+    # ...and with reorder: true it loads.
+    path = write(tmp_path, f"inter_cluster:\n  delay: 5ms\n  jitter: {jitter}\n  reorder: true\n", "ok.yaml")
+    assert load_profile(path).inter_cluster.reorder
+
+
+@pytest.mark.parametrize(("delay", "ok"), [("2000ms", True), ("2s", True), ("2001ms", False), ("20s", False)])
+def test_delay_above_two_seconds_one_way_is_refused(tmp_path, delay, ok):
+    path = write(tmp_path, f"intra_cluster:\n  delay: {delay}\n")
+    if ok:
+        assert load_profile(path).intra_cluster.delay_ms == 2000.0
+        return
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert "mine.yaml: intra_cluster: delay " in str(err.value)
+    assert "above 2000 ms one-way; no terrestrial or satellite link is that slow" in str(err.value)
+
+
+# --- the shipped WAN profiles -----------------------------------------------------------------------------------
+
+# name: (rate, RTT ms, one-way jitter ms, one-way loss %)
+WAN = {
+    "same-region-1gbit": (10**9, 1.0, 0.0, 0.0),
+    "cross-continent-1gbit": (10**9, 70.0, 0.0, 0.0),
+    "cross-continent-100mbit": (10**8, 70.0, 0.0, 0.0),
+    "transatlantic-1gbit": (10**9, 90.0, 0.0, 0.0),
+    "intercontinental-1gbit": (10**9, 190.0, 0.0, 0.0),
+    "intercontinental-100mbit": (10**8, 190.0, 0.0, 0.0),
+    "consumer-internet-100mbit": (10**8, 30.0, 2.5, 1.0),
+    "wan-1gbps-40ms-rtt": (10**9, 40.0, 0.0, 0.0),
+    "wan-1gbps-40ms-rtt-loss1pct": (10**9, 40.0, 0.0, 1.0),
+    "wan-1gbps-20ms": (10**9, 40.0, 1.0, 0.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WAN))
+def test_wan_profiles(name, two_cores):
+    rate, rtt, jitter, loss = WAN[name]
+    p = load_profile(name)
+    link = p.inter_cluster
+    assert (link.rate_bps, link.rtt_ms, link.jitter_ms, link.loss_pct) == (rate, rtt, jitter, loss)
+    assert not link.reorder
+    # The description states the RTT the link has, and the rate.
+    assert f"RTT {rtt:g} ms" in p.description
+    assert format_rate(rate) in p.description
+    check_shapeable(p)
+
+
+@pytest.mark.parametrize("name", sorted(WAN))
+def test_wan_profiles_cite_their_rtt(name):
+    """Every delay profile says where its RTT comes from: a published table (URL and date) or a typical value."""
+    text = (PROFILE_DIR / f"{name}.yaml").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#")).lower()
+    if name == "wan-1gbps-20ms":
+        return  # the original WAN profile: a round number, its description says so
+    cited = (
+        "https://learn.microsoft.com/en-us/azure/networking/azure-network-latency" in comments and "2024" in comments
+    )
+    assert cited or "typical value" in comments or "round number" in comments, comments
+
+
+def test_profiles_table_rows():
+    rows = {row["name"]: row for row in profiles_table_rows()}
+    assert sorted(rows) == SHIPPED
+    assert rows["wan-1gbps-40ms-rtt-loss1pct"] == {
+        "name": "wan-1gbps-40ms-rtt-loss1pct",
+        "rate": "1 Gbit/s",
+        "rate_bps": 10**9,
+        "rtt": "40 ms",
+        "rtt_ms": 40.0,
+        "jitter": "-",
+        "jitter_ms": 0.0,
+        "loss": "1%",
+        "loss_pct": 1.0,
+        "description": load_profile("wan-1gbps-40ms-rtt-loss1pct").description,
+    }
+    assert (rows["consumer-internet-100mbit"]["rtt"], rows["consumer-internet-100mbit"]["jitter"]) == (
+        "30 ms",
+        "+- 5 ms",
+    )
+    assert (rows["unshaped"]["rate"], rows["unshaped"]["rtt"], rows["unshaped"]["loss"]) == ("unshaped", "-", "-")
