@@ -6,6 +6,12 @@
                         n; error bars as the report's: the 95% interval of the mean (n >= 3), the range (n = 2)
     breakdown-<group>   where a training step's time goes: compute, communication the training thread waited for
                         (blocked), and communication that ran during compute (overlapped, hidden)
+    monitor-<group>     DiLoCoX's per-synchronization monitor (trainers/dilocox.py), only for a group with a run that
+                        logs it, and only its variants that do: against the synchronization round t, cosine(Delta_t,
+                        Delta_{t-1}); ||outer step|| / ||Delta_t||; the estimated rank and the chosen r_t, with H_t on
+                        a right axis; the measured compression error^2 beside omega^2 (paper) and omega^2 (corrected),
+                        dashed. Rank 0's events (cluster 0, stage 0), so each sync counts once; a variant's line is the
+                        mean over its n runs per round, with a ± 1 std band over rounds that two runs or more reach
 
 A group is named <profile>-<model>, with the cluster shape and step count appended when several groups share both.
 A method keeps its colour in every figure. Figures are built as matplotlib Figure objects without pyplot, so they
@@ -14,12 +20,14 @@ render with the Agg canvas whatever backend the machine is configured for, and n
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
+from matplotlib.lines import Line2D
+from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from harness.report import BASELINE, CEILING, GROUP_KEYS, RunTables, comparison, eval_curve
 from harness.units import format_rate
@@ -209,6 +217,138 @@ def breakdown_figure(group: pd.DataFrame, events: pd.DataFrame, colors: dict[str
     return fig
 
 
+# DiLoCoX's per-sync fields (trainers/dilocox.py's module doc), as the train loop logs them in step and finish events.
+# Measured when a round is sent, of that round:
+SENT_FIELDS = (
+    "sync_rank_r",
+    "sync_local_steps_h",
+    "sync_compression_error2",
+    "sync_omega2_paper",
+    "sync_omega2_corrected",
+)
+# Measured when an exchange's average is applied, of that average:
+APPLIED_FIELDS = ("sync_cosine", "sync_step_norm_ratio", "sync_estimated_rank")
+
+
+def sync_rounds(group: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
+    """One row per run and synchronization round t of the group's runs that log DiLoCoX's sync fields: `variant`,
+    `run_id`, `round` and the fields, from rank 0's events (cluster 0, stage 0: each sync once).
+
+    The fields of round t sent (rank, H, compression error and its bounds) sit at its `sync_round`. Those of an
+    applied average (cosine, step ratio, estimated rank) sit at the round it carried: an event logs both, and under
+    a delayed overlap the average it applies is the previous round's. Exchanges are applied in order, once each, so
+    the k-th applied average is round k's; `finish` applies whatever is still in flight, so its average is the last
+    round sent (when it applies two, the one logged is the last). Empty when no run logs the fields.
+    """
+    fields = [*SENT_FIELDS, *APPLIED_FIELDS]
+    columns = ["run_id", "variant", "rank", "kind", "step", "sync_round", *fields]
+    mine = events[events["run_id"].isin(group["run_id"]) & events["kind"].isin(["step", "finish"])]
+    mine = mine.reindex(columns=columns)
+    mine = mine[mine["rank"] == 0]
+    numeric = ["sync_round", *fields]
+    mine = mine.assign(**{c: pd.to_numeric(mine[c], errors="coerce") for c in numeric})
+    mine = mine[mine[numeric].notna().any(axis=1)]
+    if mine.empty:
+        return pd.DataFrame(columns=["variant", "run_id", "round", *fields])
+    # A step's finish event comes after the step's own.
+    mine = mine.assign(_finish=mine["kind"] == "finish").sort_values(["run_id", "step", "_finish"], kind="stable")
+    rows = []
+    for run_id, run in mine.groupby("run_id", sort=False):
+        sent = run[run["sync_round"].notna()]
+        sent = sent.assign(round=sent["sync_round"].astype(int)).groupby("round")[list(SENT_FIELDS)].last()
+        applied = run[run[list(APPLIED_FIELDS)].notna().any(axis=1)]
+        rounds = pd.Series(range(1, len(applied) + 1), index=applied.index)
+        if len(sent):
+            rounds[applied["_finish"]] = sent.index.max()
+        applied = applied.assign(round=rounds).groupby("round")[list(APPLIED_FIELDS)].last()
+        table = sent.join(applied, how="outer").reset_index()
+        rows.append(table.assign(run_id=run_id, variant=run["variant"].iloc[0]))
+    table = pd.concat(rows, ignore_index=True)
+    return table[["variant", "run_id", "round", *fields]]
+
+
+def _mean_line(ax, rounds: pd.DataFrame, column: str, color: str, style: str, label: str | None = None) -> None:
+    """The mean over runs of `column` per round, with a ± 1 std band over the rounds that two runs or more have."""
+    stats = rounds.groupby("round")[column].agg(["mean", "std", "count"]).dropna(subset=["mean"])
+    if stats.empty:
+        return
+    marker = "o" if len(stats) <= 60 else None
+    ax.plot(stats.index, stats["mean"], style, marker=marker, ms=3, color=color, label=label)
+    banded = stats["count"] >= 2
+    if banded.any():
+        spread = stats["std"].fillna(0.0)
+        ax.fill_between(
+            stats.index, stats["mean"] - spread, stats["mean"] + spread, where=banded.to_numpy(),
+            color=color, alpha=0.15, linewidth=0,
+        )  # fmt: skip
+
+
+def monitor_figure(group: pd.DataFrame, rounds: pd.DataFrame, colors: dict[str, str]) -> Figure:
+    """DiLoCoX's monitor per synchronization round (sync_rounds' table), one colour per variant (module doc)."""
+    fig = Figure(figsize=(13, 9.5))
+    (cosine, ratio), (rank, error) = fig.subplots(2, 2, sharex=True)
+    steps = rank.twinx()
+    variants = [v for v in colors if v in set(rounds["variant"])]
+    handles = []
+    for variant in variants:
+        mine = rounds[rounds["variant"] == variant]
+        color = colors[variant]
+        n = mine["run_id"].nunique()
+        label = f"{variant} (n={n}" + (", band ± 1 std)" if n >= 2 else ", no band)")
+        handles.append(Line2D([], [], color=color, marker="o", ms=3, label=label))
+        _mean_line(cosine, mine, "sync_cosine", color, "-")
+        _mean_line(ratio, mine, "sync_step_norm_ratio", color, "-")
+        _mean_line(rank, mine, "sync_estimated_rank", color, "-")
+        _mean_line(rank, mine, "sync_rank_r", color, "--")
+        _mean_line(steps, mine, "sync_local_steps_h", color, ":")
+        _mean_line(error, mine, "sync_compression_error2", color, "-")
+        _mean_line(error, mine, "sync_omega2_paper", color, "--")
+        _mean_line(error, mine, "sync_omega2_corrected", color, "-.")
+    cosine.axhline(0.0, color="black", linewidth=0.6)
+    cosine.set_ylabel("cosine(Δ_t, Δ_{t-1})")
+    cosine.set_title("consecutive averages' cosine (the overlap assumes they point the same way)", fontsize=10)
+    ratio.set_ylabel("||θ_t − θ_{t-1}|| / ||Δ_t||")
+    ratio.set_title("outer step over the average it applies (η(1+μ) at first; grows with momentum)", fontsize=10)
+    rank.set_ylabel("rank")
+    steps.set_ylabel("local steps H_t (dotted)")
+    rank.set_title("estimated rank r̂ (solid) and chosen r_t (dashed); H_t (dotted, right axis)", fontsize=10)
+    error.set_ylabel("relative squared error")
+    error.set_title("compression error² ||c − D(P)||² / ||c||² (solid) vs ω² bounds", fontsize=10)
+    positive = rounds[["sync_compression_error2", "sync_omega2_paper", "sync_omega2_corrected"]].stack()
+    positive = positive[positive > 0]
+    # Uncompressed fp16 rounds err by ~1e-7 and compressed ones by ~1e-1: a linear axis would hide one of them.
+    if len(positive) and positive.max() / positive.min() > 20:
+        error.set_yscale("log")
+        error.set_ylabel("relative squared error (log scale)")
+    styles = [
+        Line2D([], [], color="gray", linestyle="-", label="measured error²"),
+        Line2D([], [], color="gray", linestyle="--", label="ω² (paper, 1 − (r/d) 2^-q)"),
+        Line2D([], [], color="gray", linestyle="-.", label="ω² (corrected, (√(1 − r/d) + 2^(-q/2))²)"),
+    ]
+    error.legend(handles=styles, fontsize=8)
+    rank.legend(
+        handles=[
+            Line2D([], [], color="gray", linestyle="-", label="estimated rank r̂ (of the average applied)"),
+            Line2D([], [], color="gray", linestyle="--", label="chosen rank r_t (of the round sent)"),
+            Line2D([], [], color="gray", linestyle=":", label="local steps H_t (right axis)"),
+        ],
+        fontsize=8,
+    )
+    for ax in (cosine, ratio, rank, error):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (rank, error):
+        ax.set_xlabel("synchronization round t (an applied average at the round it carried)")
+    fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=9, frameon=False,
+               title="variant (n runs)")  # fmt: skip
+    stages = group["stages"].iloc[0]
+    where = "rank 0: cluster 0" + (f", stage 0 of {stages}" if stages != 1 else "")
+    fig.suptitle(_title(f"DiLoCoX monitor per synchronization round ({where}; mean over a variant's n runs, "
+                        "band: ± 1 std where n ≥ 2)", group))  # fmt: skip
+    fig.tight_layout(rect=(0, 0.03 + 0.025 * math.ceil(len(handles) / 3), 1, 1))
+    return fig
+
+
 def plot_all(tables: RunTables, out: Path) -> list[Path]:
     """Every figure for every comparable group of successful runs; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -226,4 +366,7 @@ def plot_all(tables: RunTables, out: Path) -> list[Path]:
         written += _save(throughput_figure(group, group_compared, colors), out, f"throughput-{slug}")
         if not tables.events.empty:
             written += _save(breakdown_figure(group, tables.events, colors), out, f"breakdown-{slug}")
+            rounds = sync_rounds(group, tables.events)
+            if not rounds.empty:
+                written += _save(monitor_figure(group, rounds, colors), out, f"monitor-{slug}")
     return written

@@ -36,6 +36,8 @@ def write_run(
     compute_s: float | Callable[[int, int], float] | None = None,
     sync_every: int = 1,
     applied_steps: int | None = None,
+    sync_fields: Callable[[int, int], dict] | None = None,
+    finish_fields: dict | None = None,
 ) -> Path:
     """A finished run whose every step takes tokens_per_step / tokens_per_s seconds; evals spread over the steps.
 
@@ -44,6 +46,9 @@ def write_run(
     time less its blocked share]. sync_every: a method that synchronizes logs an exchange every this many steps.
     applied_steps: steps whose updates are in the final parameters [default: all]; tokens_per_s then counts only
     those (applied tokens per second), as a real run does.
+    sync_fields: a method's own per-sync fields (already `sync_`-prefixed, as DiLoCoX's), a function of (rank, k) for
+    the k-th sync (from 1), added to that sync's step event. finish_fields: added to the `finish` event, which they
+    make a run log even without finish_blocked_s.
     """
     eval_every = steps // (len(val_losses) - 1)
     config = build_config(method, profile, seed, {"steps": steps, "eval_every": eval_every, **(options or {})})
@@ -79,12 +84,15 @@ def write_run(
                     sync_blocked_s=step_s * blocked_share,
                     sync_overlapped_s=overlapped_s,
                 )
+                if sync_fields is not None:
+                    event.update(sync_fields(rank, (step + 1) // sync_every))
             events.append(event)
-            if step == steps - 1 and finish_blocked_s:
+            if step == steps - 1 and (finish_blocked_s or finish_fields):
                 event["step_s"] += finish_blocked_s
                 t += finish_blocked_s
                 events.append({"t": t, "rank": rank, "kind": "finish", "step": step, "sync_payload_bytes": 0,
-                               "sync_blocked_s": finish_blocked_s, "sync_overlapped_s": 0.0})  # fmt: skip
+                               "sync_blocked_s": finish_blocked_s, "sync_overlapped_s": 0.0,
+                               **(finish_fields or {})})  # fmt: skip
             if (step + 1) % eval_every == 0:
                 t += EVAL_S
                 loss = val_losses[(step + 1) // eval_every]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import matplotlib
 import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.plots import loss_figure, plot_all, step_breakdown
+from harness.plots import loss_figure, monitor_figure, plot_all, step_breakdown, sync_rounds
 from harness.report import eval_curve, load_runs
 from tests.harness.fakeruns import write_run
 
@@ -37,6 +38,8 @@ def test_every_figure_in_both_formats_per_group(results, tmp_path):
     # Titles carry the profile and model; bars carry their ratio to allreduce (5000 / 500).
     assert "profile 1gbps" in svg and "model tiny" in svg and "10x" in svg
     assert "tokens/s, log scale" in svg
+    # No run logs DiLoCoX's monitor: no monitor figure.
+    assert not any(p.name.startswith("monitor-") for p in written)
 
 
 def test_breakdown_splits_each_step_into_compute_blocked_and_overlapped(results):
@@ -78,3 +81,96 @@ def test_cli_writes_figures_next_to_the_results_by_default(results):
     assert (results / "figures" / "breakdown-1gbps-tiny.svg").is_file()
     # The figures folder holds no run, so a later report or plot over the same folder is unchanged.
     assert len(load_runs([results]).runs) == 4
+
+
+def _cosine(seed: int, rank: int, t: int) -> float:
+    return 0.1 * t + 0.2 * seed + 100 * rank  # rank 1's values are absurd: only rank 0's belong in the figure
+
+
+def _dilocox_sync(seed: int, syncs: int) -> tuple:
+    """A DiLoCoX run's sync fields under the delayed overlap: the k-th sync sends round k and applies round k - 1
+    (round 1's cosine has no previous average), and finish applies the last round."""
+
+    def applied(rank: int, t: int) -> dict:
+        cosine = None if t == 1 else _cosine(seed, rank, t)
+        return {"sync_estimated_rank": 8 - t + seed, "sync_cosine": cosine, "sync_step_norm_ratio": 1.6 + 0.1 * t}
+
+    def fields(rank: int, k: int) -> dict:
+        sent = {"sync_round": k, "sync_rank_r": 8 - k, "sync_local_steps_h": 5 + k, "sync_compression_error2": 0.3,
+                "sync_omega2_paper": 0.99, "sync_omega2_corrected": 1.2 + seed, "sync_staleness": None}  # fmt: skip
+        return {**sent, **(applied(rank, k - 1) if k > 1 else {})}
+
+    return fields, applied(0, syncs)
+
+
+def _write_dilocox(root, name, seed, local_steps=5):
+    fields, finish = _dilocox_sync(seed, 20 // local_steps)
+    write_run(root, name, "dilocox", seed=seed, tokens_per_s=4000, options={"local_steps": local_steps},
+              sync_every=local_steps, sync_fields=fields, finish_fields=finish)  # fmt: skip
+
+
+def test_monitor_figure_only_where_a_run_logs_dilocox_sync_fields(results, tmp_path):
+    _write_dilocox(results, "dx-s0", seed=0)
+    written = plot_all(load_runs([results]), tmp_path / "figures")
+    names = {p.name for p in written}
+    assert {"monitor-1gbps-tiny.png", "monitor-1gbps-tiny.svg"} <= names
+    # The other group has allreduce only.
+    assert not any(n.startswith("monitor-100mbps") for n in names)
+    assert (tmp_path / "figures" / "monitor-1gbps-tiny.png").read_bytes()[:8] == PNG_MAGIC
+    svg = (tmp_path / "figures" / "monitor-1gbps-tiny.svg").read_text()
+    assert "profile 1gbps" in svg and "DiLoCoX monitor" in svg
+
+
+def test_sync_rounds_put_each_field_at_its_round_from_rank_0(tmp_path):
+    _write_dilocox(tmp_path, "dx-s0", seed=0)
+    write_run(tmp_path, "ar", "allreduce")
+    tables = load_runs([tmp_path])
+    rounds = sync_rounds(tables.runs, tables.events)
+    assert set(rounds["variant"]) == {"dilocox local_steps=5"}
+    assert rounds["round"].tolist() == [1, 2, 3, 4]
+    assert rounds["sync_rank_r"].tolist() == [7, 6, 5, 4]
+    assert rounds["sync_local_steps_h"].tolist() == [6, 7, 8, 9]
+    # Applied one sync late (delayed overlap), the last by finish; each at the round it carried.
+    assert rounds["sync_estimated_rank"].tolist() == [7, 6, 5, 4]
+    assert rounds["sync_step_norm_ratio"].tolist() == pytest.approx([1.7, 1.8, 1.9, 2.0])
+    assert rounds["sync_cosine"].isna().tolist() == [True, False, False, False]
+    assert rounds["sync_cosine"].iloc[1:].tolist() == pytest.approx([0.2, 0.3, 0.4])
+    empty = sync_rounds(tables.runs[tables.runs["method"] == "allreduce"], tables.events)
+    assert empty.empty
+
+
+def test_monitor_lines_are_the_mean_over_seeds_with_a_band_only_for_two_runs(tmp_path):
+    _write_dilocox(tmp_path, "dx-s0", seed=0)
+    _write_dilocox(tmp_path, "dx-s1", seed=1)
+    _write_dilocox(tmp_path, "dx10-s0", seed=0, local_steps=10)
+    write_run(tmp_path, "ar", "allreduce")
+    tables = load_runs([tmp_path])
+    colors = {"allreduce": "#000000", "dilocox local_steps=10": "#0000ff", "dilocox local_steps=5": "#ff0000"}
+    fig = monitor_figure(tables.runs, sync_rounds(tables.runs, tables.events), colors)
+    cosine, ratio, rank, error, steps = fig.axes
+
+    def lines(ax, color):
+        return [line for line in ax.get_lines() if matplotlib.colors.to_hex(line.get_color()) == color]
+
+    (two,) = lines(cosine, "#ff0000")
+    assert two.get_xdata().tolist() == [2, 3, 4]
+    # Seeds 0 and 1: 0.1 t and 0.1 t + 0.2, so the mean is 0.1 t + 0.1.
+    assert two.get_ydata().tolist() == pytest.approx([0.3, 0.4, 0.5])
+    (one,) = lines(cosine, "#0000ff")
+    assert one.get_xdata().tolist() == [2] and one.get_ydata().tolist() == pytest.approx([0.2])
+    # A band for the variant of two runs only: ± the sample std of two values 0.2 apart, 0.2 / sqrt(2).
+    (band,) = cosine.collections
+    edge = band.get_paths()[0].vertices[:, 1]
+    assert (edge.min(), edge.max()) == pytest.approx((0.3 - 0.2 / 2**0.5, 0.5 + 0.2 / 2**0.5))
+    # r_t dashed and H_t on the right axis, both at the round sent.
+    estimated, chosen = lines(rank, "#ff0000")
+    assert estimated.get_ydata().tolist() == pytest.approx([7.5, 6.5, 5.5, 4.5])
+    assert chosen.get_linestyle() == "--" and chosen.get_ydata().tolist() == pytest.approx([7, 6, 5, 4])
+    (local_steps,) = lines(steps, "#ff0000")
+    assert local_steps.get_ydata().tolist() == pytest.approx([6, 7, 8, 9])
+    measured, paper, corrected = lines(error, "#ff0000")
+    assert [line.get_linestyle() for line in (measured, paper, corrected)] == ["-", "--", "-."]
+    assert corrected.get_ydata().tolist() == pytest.approx([1.7] * 4)
+    assert lines(ratio, "#000000") == []  # allreduce logs no monitor
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["dilocox local_steps=10 (n=1, no band)", "dilocox local_steps=5 (n=2, band ± 1 std)"]
