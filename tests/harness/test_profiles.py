@@ -393,7 +393,7 @@ def test_two_hops_make_the_profiles_one_way_link(delay, jitter, loss):
     assert link.hop_loss_pct <= loss
 
 
-def test_hop_loss_is_less_than_half_the_loss_would_suggest_wrongly():
+def test_hop_loss_composes_exactly_where_halving_would_not():
     # Halving 1% per hop would give 1 - 0.995^2 = 0.9975% one-way; the hop value composes to exactly 1%.
     hop = LinkSpec(loss_pct=1.0).hop_loss_pct
     assert hop == pytest.approx(100 * (1 - math.sqrt(0.99)))
