@@ -1,14 +1,16 @@
-"""Benchmarks of the harness itself (not of the methods): how long the emulated cluster takes to build and remove."""
+"""Benchmarks of the harness itself (not of the methods): how long the emulated cluster takes to build and remove,
+and what one TCP stream gets through the userspace delay line."""
 
 from __future__ import annotations
 
 import secrets
 import statistics
+import subprocess
 import time
 
 from harness.backends import make_backend
 from harness.ownership import RunLock
-from harness.profiles import Profile
+from harness.profiles import LinkSpec, Profile
 from harness.topology import Topology
 
 
@@ -34,3 +36,47 @@ def cluster_lifecycle(profile: Profile, clusters: int, stages: int, repeats: int
         "total_median_s": statistics.median(total),
         "total_max_s": max(total),
     }
+
+
+def delay_line_goodput(rate_bps: int | None, rtts_ms: list[float], seconds: float, repeats: int) -> list[dict]:
+    """One TCP stream between two clusters: without the delay line, then through it at each RTT; median goodput.
+
+    Each row also gives the bound a single stream's window sets at that RTT (the receiver's largest buffer, from
+    its namespace's net.ipv4.tcp_rmem, over the RTT): above it no link emulator can help, the window is the limit.
+    """
+    from harness.linkprobe import tcp_goodput_bps
+
+    rows = []
+    for emulator, rtt_ms in [(None, 0.0), *(("userspace", rtt) for rtt in rtts_ms)]:
+        spec = LinkSpec(rate_bps=rate_bps, delay_ms=rtt_ms / 2)
+        profile = Profile("bench-delayline", "", inter_cluster=spec)
+        topology = Topology(2)
+        goodputs, rmem_max = [], None
+        for _ in range(repeats):
+            run_key = "hx" + secrets.token_hex(3)
+            backend = make_backend("netns", run_key, topology, profile, link_emulator=emulator)
+            with RunLock(run_key):
+                try:
+                    backend.up()
+                    goodputs.append(tcp_goodput_bps(backend, topology, seconds))
+                    rmem_max = int(read_sysctl(backend.command_in(1), "net/ipv4/tcp_rmem").split()[-1])
+                finally:
+                    backend.down()
+        rows.append(
+            {
+                "emulator": emulator or "none",
+                "rate_bps": rate_bps,
+                "rtt_ms": rtt_ms,
+                "goodput_bps": statistics.median(goodputs),
+                "goodput_min_bps": min(goodputs),
+                "goodput_max_bps": max(goodputs),
+                "tcp_rmem_max_bytes": rmem_max,
+                "window_bound_bps": rmem_max * 8 / (rtt_ms / 1000) if rtt_ms and rmem_max else None,
+            }
+        )
+    return rows
+
+
+def read_sysctl(prefix: list[str], key: str) -> str:
+    """A sysctl as a process started with `prefix` (e.g. in a cluster's namespace) sees it."""
+    return subprocess.run([*prefix, "cat", f"/proc/sys/{key}"], capture_output=True, text=True, check=True).stdout

@@ -24,7 +24,7 @@ from rich.text import Text
 
 from harness.config import RunConfig
 from harness.errors import UserError
-from harness.profiles import known_profiles, load_profile
+from harness.profiles import load_profile
 from harness.units import format_rate
 from trainers.config import OptimConfig, TrainConfig
 from trainers.registry import method_names
@@ -237,6 +237,19 @@ def _print_summary(summary: dict[str, Any]) -> None:
                 f"TCP retransmitted {summary.get('tcp_retransmit_fraction') or 0:.1%} of segments",
             )
         )
+    if summary.get("link_rtt_ms") is not None:
+        verdict = "matches the profile" if summary["link_check_ok"] else "MISSES the profile"
+        loss = summary.get("link_loss_measured")
+        rows.append(
+            (
+                "link delay",
+                f"{verdict} ({summary['link_emulator']}): RTT {summary['link_rtt_ms']:.2f} ms median vs "
+                f"{summary['link_rtt_target_ms']:g} ms, loss {loss:.2%} vs {summary['link_loss_target']:.2%} "
+                f"({summary['link_probes']:,} probes)"
+                if loss is not None
+                else f"{verdict}: RTT {summary['link_rtt_ms']:.2f} ms vs {summary['link_rtt_target_ms']:g} ms",
+            )
+        )
     if summary.get("link_busbw_bps"):
         rows.append(
             (
@@ -302,6 +315,18 @@ def train_option_flags(command):
     return command
 
 
+def _link_emulator_flag(default: str | None = "auto"):
+    return click.option(
+        "--link-emulator",
+        default=default,
+        show_default=default is not None,
+        type=click.Choice(["auto", "netem", "userspace"]),
+        help="What adds a profile's delay, jitter and loss: netem, or the userspace delay line where the kernel "
+        "has no sch_netem (auto picks; `harness doctor` says which this machine has)."
+        + ("" if default else " [default: auto]"),
+    )
+
+
 @main.command(cls=_WithMethodOptions)
 @click.option("--profile", default="1gbps", show_default=True, help="Profile name or path to a profile YAML.")
 @click.option("--method", default="allreduce", show_default=True, help=f"One of: {', '.join(method_names())}.")
@@ -310,6 +335,7 @@ def train_option_flags(command):
 @click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
 @click.option("--calibrate", is_flag=True, help="Measure the link's all-reduce busbw before training.")
 @click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
+@_link_emulator_flag()
 @click.option(
     "--gpus",
     default="auto",
@@ -317,13 +343,21 @@ def train_option_flags(command):
     help="Docker backend: one GPU per rank: auto (GPU r for rank r with the nvidia runtime), none, or ids 0,1.",
 )
 @train_option_flags
-def run(method, profile, clusters, stages, out, calibrate, backend, gpus, **settings):
+def run(method, profile, clusters, stages, out, calibrate, backend, link_emulator, gpus, **settings):
     """Train one method on the emulated cluster and write a results folder."""
     from harness.runner import run as run_benchmark
     from harness.runner import validate
 
     config = RunConfig.build(
-        method, profile, clusters=clusters, stages=stages, backend=backend, gpus=gpus, calibrate=calibrate, **settings
+        method,
+        profile,
+        clusters=clusters,
+        stages=stages,
+        backend=backend,
+        link_emulator=link_emulator,
+        gpus=gpus,
+        calibrate=calibrate,
+        **settings,
     )
     validate(config, out)
     _print_warnings(config.warnings())
@@ -355,12 +389,21 @@ def _signals_belong_to_the_run() -> None:
 @click.option("--clusters", default=2, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>].")
 @click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
-def calibrate(profile, clusters, out, backend):
+@_link_emulator_flag()
+def calibrate(profile, clusters, out, backend, link_emulator):
     """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
     from harness.runner import run as run_benchmark
     from harness.runner import validate
 
-    config = RunConfig.build("allreduce", profile, clusters=clusters, backend=backend, mode="calibrate", calibrate=True)
+    config = RunConfig.build(
+        "allreduce",
+        profile,
+        clusters=clusters,
+        backend=backend,
+        link_emulator=link_emulator,
+        mode="calibrate",
+        calibrate=True,
+    )
     validate(config, out)
     _reexec_if_unprivileged()
     summary = run_benchmark(config, out)
@@ -388,14 +431,28 @@ def profiles() -> None:
 
 @profiles.command("list")
 def profiles_list() -> None:
-    """The named profiles and what they shape."""
-    table = Table("name", "inter-cluster link", "intra-cluster link", "description")
-    for name in known_profiles():
-        p = load_profile(name)
-        table.add_row(
-            *(Text(cell) for cell in (name, p.inter_cluster.describe(), p.intra_cluster.describe(), p.description))
-        )
+    """The named profiles: the inter-cluster link's rate, round-trip time and loss side by side."""
+    from harness.profiles import profiles_table_rows
+
+    table = Table("name", "rate", "RTT", "jitter", "loss", "description")
+    for column in table.columns[:-1]:
+        column.no_wrap = True
+    for row in profiles_table_rows():
+        table.add_row(*(Text(str(row[key])) for key in ("name", "rate", "rtt", "jitter", "loss", "description")))
     console.print(table)
+
+
+@profiles.command("export")
+@click.argument("name")
+@click.option("--format", "fmt", type=click.Choice(["tcconfig"]), default="tcconfig", show_default=True)
+@click.option("--device", default="eth0", show_default=True, help="The interface the settings are for.")
+@click.option("--out", default="-", show_default=True, help="File to write, or - for standard output.")
+@click.option("--allow-reorder", is_flag=True, help="Export jitter although netem (which tcset drives) reorders.")
+def profiles_export(name: str, fmt: str, device: str, out: str, allow_reorder: bool) -> None:
+    """Write a profile's inter-cluster link for real hosts: `tcset --import-setting FILE` on each site's NIC."""
+    from harness.tcconfig import write_tcconfig
+
+    write_tcconfig(name, out, device=device, allow_reorder=allow_reorder)
 
 
 @profiles.command("show")
@@ -427,6 +484,33 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
         f"teardown {figures['teardown_median_s'] * 1000:.0f} ms, total {figures['total_median_s'] * 1000:.0f} ms "
         f"median ({figures['total_max_s'] * 1000:.0f} ms max)"
     )
+
+
+@main.command("bench-delayline")
+@click.option("--rate", default="1gbit", show_default=True, help="Link rate (tc units), or 'none' for unshaped.")
+@click.option("--rtt-ms", default="0,40", show_default=True, help="Comma-separated RTTs through the delay line.")
+@click.option("--seconds", default=5.0, show_default=True, help="Measured seconds per stream (after 1 s of warmup).")
+@click.option("--repeats", default=3, show_default=True)
+def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int) -> None:
+    """Benchmark the userspace delay line: one TCP stream without it and through it at each RTT."""
+    from harness.benchmarks import delay_line_goodput
+    from harness.profiles import parse_rate_bps
+
+    rate_bps = None if rate == "none" else parse_rate_bps(rate)
+    rtts = [float(r) for r in _csv(rtt_ms)]
+    _reexec_if_unprivileged()
+    table = Table("emulator", "rate", "RTT", "goodput (median, min-max)", "window bound")
+    for row in delay_line_goodput(rate_bps, rtts, seconds, repeats):
+        bound = row["window_bound_bps"]
+        table.add_row(
+            row["emulator"],
+            format_rate(rate_bps) if rate_bps else "unshaped",
+            f"{row['rtt_ms']:g} ms",
+            f"{format_rate(row['goodput_bps'])} ({format_rate(row['goodput_min_bps'])}-"
+            f"{format_rate(row['goodput_max_bps'])}, n={repeats})",
+            f"{format_rate(bound)} (tcp_rmem max {row['tcp_rmem_max_bytes']:,} B)" if bound else "-",
+        )
+    console.print(table)
 
 
 @main.command()
@@ -473,6 +557,7 @@ def _cluster_flags(command):
         click.option("--clusters", type=int, help="Sites joined by the shaped link [default: 2]."),
         click.option("--stages", type=int, help="Pipeline stages (ranks) per cluster [default: 1]."),
         click.option("--backend", type=click.Choice(["netns", "docker"]), help="[default: netns]"),
+        _link_emulator_flag(default=None),
     ]
     for flag in reversed(flags):
         command = flag(command)

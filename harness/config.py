@@ -56,6 +56,9 @@ def check_finite_options(options: dict[str, Any]) -> None:
             raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
 
 
+LINK_EMULATORS = ("auto", "netem", "userspace")
+
+
 @dataclass
 class RunConfig:
     method: str
@@ -69,6 +72,9 @@ class RunConfig:
     gpus: str = "auto"
     mode: Literal["train", "calibrate"] = "train"
     calibrate: bool = False
+    # What adds the profile's delay, jitter and loss: netem where the kernel has it (auto), else the userspace delay
+    # line (harness/delayline.py). The runner resolves auto and records the choice.
+    link_emulator: Literal["auto", "netem", "userspace"] = "auto"
     # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
     # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
     collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
@@ -84,6 +90,8 @@ class RunConfig:
     def validate(self) -> None:
         """Everything the user chose, checked together before the host is touched; raises UserError."""
         Topology(self.clusters, self.stages)
+        if self.link_emulator not in LINK_EMULATORS:
+            raise UserError(f"--link-emulator must be one of {', '.join(LINK_EMULATORS)}, got {self.link_emulator!r}")
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         try:
@@ -160,6 +168,7 @@ class RunConfig:
         gpus: str = "auto",
         mode: Literal["train", "calibrate"] = "train",
         calibrate: bool = False,
+        link_emulator: Literal["auto", "netem", "userspace"] = "auto",
         collective_timeout_s: float | None = None,
         **settings: Any,
     ) -> RunConfig:
@@ -186,6 +195,7 @@ class RunConfig:
             stages=stages,
             mode=mode,
             calibrate=calibrate,
+            link_emulator=link_emulator,
             **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
         )
 

@@ -49,6 +49,7 @@ def diagnose() -> list[Check]:
     root = os.geteuid() == 0
     userns = user_namespaces_work()
     qdiscs = probe_qdiscs(not root)
+    tun = os.path.exists("/dev/net/tun")
     docker_ok, docker_detail, nvidia = _docker_engine()
     gpus = _gpus()
     tools = [t for t in ("unshare", "nsenter") if shutil.which(t) is None]
@@ -78,9 +79,17 @@ def diagnose() -> list[Check]:
             "netem",
             qdiscs["netem"],
             "sch_netem",
-            "profiles with delay, jitter or loss work"
+            "link emulator for delay, jitter and loss (--link-emulator auto picks it)"
             if qdiscs["netem"]
-            else "profiles with delay, jitter or loss are refused (modprobe sch_netem to enable)",
+            else "absent: delay, jitter and loss go through the userspace delay line (modprobe sch_netem for netem)",
+        ),
+        Check(
+            "delay line",
+            tun,
+            "TUN/TAP (/dev/net/tun)" if tun else "no /dev/net/tun",
+            ("userspace link emulator available (--link-emulator userspace" + (")" if qdiscs["netem"] else "; auto)"))
+            if tun
+            else "no userspace delay line (modprobe tun)",
         ),
         Check(
             "ifb",

@@ -21,6 +21,7 @@ from harness.backends import ClusterBackend, Worker, make_backend
 from harness.config import RunConfig
 from harness.errors import UserError
 from harness.events import EventTail, read_events
+from harness.linkprobe import LinkCheckFailed, check_link
 from harness.ownership import RunLock
 from harness.results import DEFAULT_RUNS_DIR, RunFolder, environment, summarize
 from harness.shaping import probe_qdiscs
@@ -46,6 +47,7 @@ class Interrupted(BaseException):
 def validate(config: RunConfig, out: Path | None) -> RunFolder:
     """Check everything the user chose, in one place, before the host is touched; returns the results folder."""
     config.validate()
+    resolve_link_emulator(config)
     if not (math.isfinite(config.collective_timeout_s) and config.collective_timeout_s > 0):
         raise RunError(
             f"the collective timeout must be a positive number of seconds, got {config.collective_timeout_s}"
@@ -60,14 +62,48 @@ def validate(config: RunConfig, out: Path | None) -> RunFolder:
             raise RunError(reason)
     elif config.backend != "netns":
         raise RunError(f"backend {config.backend!r} is not available; use --backend netns or --backend docker")
-    if config.profile.needs_netem and not probe_qdiscs(os.geteuid() != 0)["netem"]:
-        raise RunError(
-            f"profile {config.profile.name!r} asks for delay, jitter or loss, but this kernel has no "
-            "sch_netem; load it (modprobe sch_netem) or use a rate-only profile"
-        )
     folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
     folder.check()
     return folder
+
+
+def resolve_link_emulator(config: RunConfig) -> str | None:
+    """What will add the profile's delay, jitter and loss: "netem", "userspace", or None when it asks for none.
+
+    auto takes netem where the kernel has it, else the userspace delay line; a choice the machine cannot honour is
+    refused here, before the host is touched.
+    """
+    profile = config.profile
+    if not profile.needs_netem:
+        return None
+    has_netem = probe_qdiscs(os.geteuid() != 0)["netem"]
+    choice = config.link_emulator
+    if choice == "netem" and not has_netem:
+        raise RunError(
+            "--link-emulator netem needs sch_netem, which this kernel lacks; load it (modprobe sch_netem) or use "
+            "--link-emulator userspace (or auto)"
+        )
+    if choice == "netem" or (choice == "auto" and has_netem):
+        return "netem"
+    if config.backend != "netns":
+        raise RunError(
+            "--link-emulator userspace exists for the netns backend only; use --backend netns, or netem on a kernel "
+            "that has it"
+            if choice == "userspace"
+            else f"profile {profile.name!r} asks for delay, jitter or loss, this kernel has no sch_netem and the "
+            f"{config.backend} backend has no userspace delay line; use --backend netns or a kernel with sch_netem"
+        )
+    if profile.intra_cluster.needs_netem:
+        raise RunError(
+            f"profile {profile.name!r} sets delay, jitter or loss on its intra-cluster link, which only netem "
+            "can emulate (the delay line sits between clusters); remove them or use a kernel with sch_netem"
+        )
+    if not os.path.exists("/dev/net/tun"):
+        raise RunError(
+            "the userspace delay line needs TUN/TAP (/dev/net/tun), which this machine lacks; load it "
+            "(modprobe tun) or use a kernel with sch_netem"
+        )
+    return "userspace"
 
 
 # The watchdog: a run whose ranks log nothing for max(collective timeout, this many x the slowest step so far) is
@@ -144,10 +180,20 @@ def run(
 def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
     run_dir = folder.create()
     topology = Topology(config.clusters, config.stages)
-    cluster = make_backend(config.backend, config.run_key, topology, config.profile, config.gpus)
+    emulator = resolve_link_emulator(config)
+    cluster = make_backend(
+        config.backend,
+        config.run_key,
+        topology,
+        config.profile,
+        config.gpus,
+        link_emulator=emulator,
+        seed=config.train.seed,
+        log_dir=run_dir / "logs",
+    )
     procs: dict[int, Worker] = {}
     failure: str | None = None
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"link_emulator": emulator}
     qdiscs: list[dict] = []
     with _Signals() as signals:
         try:
@@ -157,6 +203,9 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
             cluster.up()
             signals.check()
             record["cluster_setup_s"] = cluster.setup_s
+            if emulator and config.backend == "netns" and topology.clusters > 1:
+                record.update(check_link(cluster, topology, config.profile.inter_cluster, run_dir / "link_check.json"))
+                signals.check()
             qdiscs = cluster.kernel_qdiscs()
             wire = _WireMeter(cluster)
             for rank in range(topology.world_size):
@@ -175,7 +224,7 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
         except Interrupted as sig:
             signals.tearing_down = True
             failure = f"interrupted by {sig} during the run"
-        except BackendVanished as err:
+        except (BackendVanished, LinkCheckFailed) as err:
             failure = str(err)
         except Exception as err:
             failure = f"harness error: {type(err).__name__}: {err}"
@@ -211,7 +260,14 @@ def _teardown(
     summary["teardown_errors"] = teardown_errors
     folder.write_json(
         "environment.json",
-        environment({"backend": config.backend, "applied_qdiscs": cluster.applied_qdiscs, "kernel_qdiscs": qdiscs}),
+        environment(
+            {
+                "backend": config.backend,
+                "link_emulator": record.get("link_emulator"),
+                "applied_qdiscs": cluster.applied_qdiscs,
+                "kernel_qdiscs": qdiscs,
+            }
+        ),
     )
     folder.write_json("summary.json", summary)
     return summary, folder.commit()

@@ -1,8 +1,10 @@
 """LinkSpec -> qdiscs on one interface, through netlink (pyroute2).
 
-A rate alone becomes a tbf root qdisc. Delay, jitter or loss need sch_netem: netem becomes the root and tbf its
-child, so packets are delayed and then rate-limited. Kernels without sch_netem are detected up front (see
-`probe_qdiscs`) and such profiles are refused before anything is created; nothing here degrades silently.
+A rate alone becomes a tbf root qdisc. Delay, jitter or loss with the netem link emulator: netem becomes the root
+and tbf its child, so packets are delayed and then rate-limited; netem gets the link's per-hop share (half the
+profile's one-way delay and jitter, the loss that composes over two hops to the profile's). Kernels without
+sch_netem are detected up front (see `probe_qdiscs`); there the userspace delay line (harness/delayline.py) takes
+delay, jitter and loss, and this module sets only the rate. Nothing here degrades silently.
 """
 
 from __future__ import annotations
@@ -63,24 +65,26 @@ def _tbf_kwargs(spec: LinkSpec) -> dict:
     }
 
 
-def apply_link_spec(ip: IPRoute, ifname: str, spec: LinkSpec) -> list[dict]:
-    """Shape egress of `ifname` (seen through `ip`, an IPRoute or NetNS) and return what was applied."""
+def apply_link_spec(ip: IPRoute, ifname: str, spec: LinkSpec, netem: bool = False, one_hop: bool = False) -> list[dict]:
+    """Shape egress of `ifname` (seen through `ip`, an IPRoute or NetNS) and return what was applied: the rate,
+    and with `netem` the link's delay, jitter and loss (else another emulator adds them, or the profile has none):
+    the per-hop share of a path of two such links, or all of it with `one_hop` (loopback, the intra-cluster link)."""
     if not spec.shaped:
         return []
     index = ip.link_lookup(ifname=ifname)[0]
     applied = []
-    if spec.needs_netem:
-        netem = {
-            "delay": int(spec.delay_ms * 1000),
-            "jitter": int(spec.jitter_ms * 1000),
-            "loss": spec.loss_pct,
+    if netem and spec.needs_netem:
+        options = {
+            "delay": round((spec.delay_ms if one_hop else spec.hop_delay_ms) * 1000),
+            "jitter": round((spec.jitter_ms if one_hop else spec.hop_jitter_ms) * 1000),
+            "loss": spec.loss_pct if one_hop else spec.hop_loss_pct,
         }
-        ip.tc("add", "netem", index, 0x10000, **netem)
-        applied.append({"dev": ifname, "kind": "netem", "handle": "1:", "parent": "root", **netem})
+        ip.tc("add", "netem", index, 0x10000, **options)
+        applied.append({"dev": ifname, "kind": "netem", "handle": "1:", "parent": "root", **options})
         if spec.rate_bps is not None:
             ip.tc("add", "tbf", index, 0x100000, parent=0x10001, **_tbf_kwargs(spec))
             applied.append({"dev": ifname, "kind": "tbf", "handle": "10:", "parent": "1:1", **_tbf_kwargs(spec)})
-    else:
+    elif spec.rate_bps is not None:
         ip.tc("add", "tbf", index, 0x10000, **_tbf_kwargs(spec))
         applied.append({"dev": ifname, "kind": "tbf", "handle": "1:", "parent": "root", **_tbf_kwargs(spec)})
     return applied

@@ -43,15 +43,26 @@ class ClusterBackend(Protocol):
         """Start rank `rank` running `argv` (the worker) with `env` (torchrun's variables) in its cluster."""
 
 
-def make_backend(name: str, run_key: str, topology: Topology, profile: Profile, gpus: str = "auto") -> ClusterBackend:
-    """The backend `name`; `gpus` (auto, none or GPU ids) matters to the docker backend only."""
+def make_backend(
+    name: str,
+    run_key: str,
+    topology: Topology,
+    profile: Profile,
+    gpus: str = "auto",
+    link_emulator: str | None = None,
+    seed: int = 0,
+    log_dir: Path | None = None,
+) -> ClusterBackend:
+    """The backend `name`; `gpus` (auto, none or GPU ids) matters to the docker backend only. `link_emulator` is
+    what adds the profile's delay, jitter and loss: "netem", "userspace" (netns only) or None (none asked for);
+    `seed` seeds the userspace delay line's loss and jitter, which logs into `log_dir`."""
     if name == "netns":
         from harness.backends.netns import NetnsCluster
 
-        return NetnsCluster(run_key, topology, profile)
+        return NetnsCluster(run_key, topology, profile, link_emulator, seed, log_dir)
     if name == "docker":
         # Imported here: the docker SDK is an optional dependency.
         from harness.backends.docker import DockerCluster
 
-        return DockerCluster(run_key, topology, profile, gpus)
+        return DockerCluster(run_key, topology, profile, gpus, netem=link_emulator == "netem")
     raise UserError(f"backend {name!r} is not available; use --backend netns or --backend docker")

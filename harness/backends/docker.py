@@ -196,11 +196,14 @@ def _run_dir(argv: list[str]) -> Path:
 class DockerCluster:
     """The containers and network of one run: created by `up()`, removed by `down()` (idempotent, always call it)."""
 
-    def __init__(self, run_key: str, topology: Topology, profile: Profile, gpus: str = "auto"):
+    def __init__(self, run_key: str, topology: Topology, profile: Profile, gpus: str = "auto", netem: bool = False):
+        """`netem`: the profile's delay, jitter and loss go on the veths as netem (the runner has checked that the
+        kernel has it; this backend has no userspace delay line)."""
         self.key = run_key
         self.topology = topology
         self.profile = profile
         self.gpus = gpus
+        self.netem = netem
         self.image = docker_image()
         self.labels = {RUN_KEY_LABEL: run_key, OWNER_LABEL: str(os.getpid())}
         self.applied_qdiscs: list[dict] = []
@@ -267,15 +270,15 @@ class DockerCluster:
             for c, pid in enumerate(self._pids):
                 with NetNS(f"/proc/{pid}/ns/net", flags=0) as ns:
                     (eth,) = ns.get_links(ifname=UPLINK)
-                    self.applied_qdiscs += apply_link_spec(ns, UPLINK, inter)
+                    self.applied_qdiscs += apply_link_spec(ns, UPLINK, inter, self.netem)
                     # Ranks of one cluster reach each other's uplink address over loopback: the intra link.
-                    self.applied_qdiscs += apply_link_spec(ns, "lo", intra)
+                    self.applied_qdiscs += apply_link_spec(ns, "lo", intra, self.netem, one_hop=True)
                 # The peer of the container's eth0 is the host-side end of its veth, on the run's bridge.
                 (peer,) = host.get_links(eth.get_attr("IFLA_LINK"))
                 if peer.get_attr("IFLA_MASTER") != bridge:
                     raise RuntimeError(f"{self.cluster_name(c)}'s veth peer is not on bridge {self.bridge_name()}")
                 self._downlinks.append(peer.get_attr("IFLA_IFNAME"))
-                self.applied_qdiscs += apply_link_spec(host, self._downlinks[c], inter)
+                self.applied_qdiscs += apply_link_spec(host, self._downlinks[c], inter, self.netem)
 
     def kernel_qdiscs(self) -> list[dict]:
         """The qdiscs as the kernel reports them now, for environment.json."""

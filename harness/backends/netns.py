@@ -6,8 +6,19 @@
 
 The ranks of a cluster share its namespace, so traffic between them stays on loopback; traffic between clusters
 leaves through the cluster's uplink veth and is shaped on both ends (the bridge-side end shapes what arrives, so
-incast from several clusters is shaped too). Every object carries the run key, so teardown removes exactly what this
-run made: deleting a namespace deletes its veth ends, bridge and qdiscs with it.
+incast from several clusters is shaped too).
+
+Delay, jitter and loss (a profile's WAN part) come from one of two link emulators, each applying half of the
+profile's one-way figures per link so that the path between two clusters (two links) has them:
+  netem      sch_netem on both veth ends, tbf as its child (harness/shaping.py);
+  userspace  where the kernel has no sch_netem: the bridge-side veth end leaves the bridge, a TAP device
+             <key>-t<c> takes its place, and a delay-line process per cluster (harness/delayline.py) forwards
+             between them; with loss, the cluster's uplink sends one TCP segment per frame (GSO capped), so the
+             delay line drops wire-sized packets. The processes die with the harness (parent-death signal), and
+             their TAPs with them.
+
+Every object carries the run key, so teardown removes exactly what this run made: deleting a namespace deletes its
+veth ends, bridge and qdiscs with it; the delay lines are stopped by PID first.
 
 Without root, the harness re-enters itself in a user namespace (`unshare --user --map-root-user --net --mount`)
 where it may create namespaces, veths and qdiscs; everything it makes there vanishes with that namespace.
@@ -17,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -27,6 +39,7 @@ from pathlib import Path
 from pyroute2 import NetNS, netns
 
 from harness.counters import interface_counters
+from harness.delayline import TAP_PREFIX
 from harness.errors import UserError
 from harness.process import set_parent_death_signal
 from harness.profiles import Profile
@@ -37,6 +50,10 @@ NETNS_DIR = Path(netns.NETNS_RUN_DIR)
 REEXEC_MARK = "HARNESS_IN_USERNS"
 # The names this backend gives its namespaces: the run key ("hx" + 6 hex digits), then the switch or a cluster.
 OWN_NETNS = re.compile(r"^(hx[0-9a-f]{6})-(sw|c[0-9]+)$")
+# The uplinks' GSO cap under the userspace emulator with loss: one full-size Ethernet frame, one TCP segment each.
+GSO_WIRE_BYTES = 1514
+# How long a delay line may take to create its TAP device and say it is ready.
+DELAY_LINE_START_S = 20.0
 
 
 class PrivilegeError(UserError):
@@ -115,12 +132,27 @@ def die_with_outer_harness() -> None:
 class NetnsCluster:
     """The emulated cluster of one run: created by `up()`, removed by `down()` (idempotent, always call it)."""
 
-    def __init__(self, run_key: str, topology: Topology, profile: Profile):
+    def __init__(
+        self,
+        run_key: str,
+        topology: Topology,
+        profile: Profile,
+        link_emulator: str | None = None,
+        seed: int = 0,
+        log_dir: Path | None = None,
+    ):
+        """`link_emulator`: "netem", "userspace" or None (the profile asks for no delay, jitter or loss); the
+        runner resolves --link-emulator auto. `seed` seeds the delay lines' loss and jitter; they log into
+        `log_dir` (delayline-c<cluster>.log)."""
         self.key = run_key
         self.topology = topology
         self.profile = profile
+        self.link_emulator = link_emulator
+        self.seed = seed
         self.switch_ns = f"{run_key}-sw"
         self._created: list[str] = []
+        self.delay_lines: dict[int, subprocess.Popen] = {}
+        self.log_dir = log_dir
         self.applied_qdiscs: list[dict] = []
 
     def cluster_ns(self, cluster: int) -> str:
@@ -134,6 +166,14 @@ class NetnsCluster:
         """The bridge-side end of cluster `cluster`'s veth, in the switch namespace."""
         return f"{self.key}-b{cluster}"
 
+    def tap(self, cluster: int) -> str:
+        """With the userspace emulator: the bridge port of cluster `cluster`, behind its delay line."""
+        return f"{self.key}-{TAP_PREFIX}{cluster}"
+
+    def command_in(self, cluster: int) -> list[str]:
+        """The prefix that runs a command in cluster `cluster`'s namespace."""
+        return ["nsenter", f"--net={NETNS_DIR / self.cluster_ns(cluster)}", "--"]
+
     def _create_ns(self, name: str) -> None:
         netns.create(name)
         self._created.append(name)
@@ -141,6 +181,8 @@ class NetnsCluster:
     def up(self) -> None:
         started = time.perf_counter()
         inter, intra = self.profile.inter_cluster, self.profile.intra_cluster
+        netem = self.link_emulator == "netem"
+        delay_line = self.link_emulator == "userspace"
         self._create_ns(self.switch_ns)
         for c in range(self.topology.clusters):
             self._create_ns(self.cluster_ns(c))
@@ -153,12 +195,17 @@ class NetnsCluster:
                 peer = sw.link_lookup(ifname=self.uplink(c))[0]
                 sw.link("set", index=peer, net_ns_fd=self.cluster_ns(c))
                 down = sw.link_lookup(ifname=self.downlink(c))[0]
-                sw.link("set", index=down, master=bridge, state="up")
-                self.applied_qdiscs += apply_link_spec(sw, self.downlink(c), inter)
+                if delay_line:
+                    sw.link("set", index=down, state="up")
+                else:
+                    sw.link("set", index=down, master=bridge, state="up")
+                self.applied_qdiscs += apply_link_spec(sw, self.downlink(c), inter, netem)
         for c in range(self.topology.clusters):
             with NetNS(self.cluster_ns(c), flags=0) as ns:
                 ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
                 up = ns.link_lookup(ifname=self.uplink(c))[0]
+                if delay_line and inter.loss_pct > 0:
+                    ns.link("set", index=up, gso_max_segs=1, gso_max_size=GSO_WIRE_BYTES)
                 ns.addr(
                     "add",
                     index=up,
@@ -166,10 +213,44 @@ class NetnsCluster:
                     prefixlen=self.topology.prefix_len,
                 )
                 ns.link("set", index=up, state="up")
-                self.applied_qdiscs += apply_link_spec(ns, self.uplink(c), inter)
+                self.applied_qdiscs += apply_link_spec(ns, self.uplink(c), inter, netem)
                 # Ranks of one cluster reach each other's uplink address over loopback: that is the intra link.
-                self.applied_qdiscs += apply_link_spec(ns, "lo", intra)
+                self.applied_qdiscs += apply_link_spec(ns, "lo", intra, netem, one_hop=True)
+        if delay_line:
+            for c in range(self.topology.clusters):
+                self._start_delay_line(c)
+            with NetNS(self.switch_ns, flags=0) as sw:
+                bridge = sw.link_lookup(ifname="bridge")[0]
+                for c in range(self.topology.clusters):
+                    sw.link("set", index=sw.link_lookup(ifname=self.tap(c))[0], master=bridge, state="up")
         self.setup_s = time.perf_counter() - started
+
+    def _start_delay_line(self, cluster: int) -> None:
+        spec = self.profile.inter_cluster
+        argv = [
+            sys.executable, "-m", "harness.delayline", "--run-key", self.key,
+            "--veth", self.downlink(cluster), "--tap", self.tap(cluster),
+            "--delay-ms", repr(spec.hop_delay_ms), "--jitter-ms", repr(spec.hop_jitter_ms),
+            "--loss-pct", repr(spec.hop_loss_pct), "--seed", str(self.seed * 1000 + cluster),
+        ]  # fmt: skip
+        if spec.reorder:
+            argv.append("--reorder")
+        log_path = self.log_dir / f"delayline-c{cluster}.log" if self.log_dir else Path(os.devnull)
+        with open(log_path, "wb") as log:
+            # A session of its own: Ctrl-C reaches the harness only, which stops the delay lines after the ranks.
+            process = subprocess.Popen(
+                ["nsenter", f"--net={NETNS_DIR / self.switch_ns}", "--", *argv],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
+        self.delay_lines[cluster] = process
+        ready = _read_line(process, DELAY_LINE_START_S)
+        if not ready.startswith("ready"):
+            raise RuntimeError(
+                f"the delay line of cluster {cluster} did not start (exit code {process.poll()}); "
+                f"see logs/delayline-c{cluster}.log"
+            )
 
     def kernel_qdiscs(self) -> list[dict]:
         """The qdiscs as the kernel reports them now, for environment.json."""
@@ -189,6 +270,10 @@ class NetnsCluster:
             return sum(interface_counters(sw, self.downlink(c))[1] for c in range(self.topology.clusters))
 
     def vanished(self) -> str | None:
+        for cluster, process in self.delay_lines.items():
+            code = process.poll()
+            if code is not None:
+                return f"the delay line of cluster {cluster} exited (code {code}) during the run"
         names = [(f"the switch namespace {self.switch_ns}", self.switch_ns)]
         names += [
             (f"the namespace of cluster {c} ({self.cluster_ns(c)})", self.cluster_ns(c))
@@ -221,6 +306,16 @@ class NetnsCluster:
     def down(self) -> None:
         """Remove every namespace this run created (their veths, bridge and qdiscs go with them)."""
         started = time.perf_counter()
+        for process in self.delay_lines.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.delay_lines.values():
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.delay_lines.clear()
         for name in reversed(self._created):
             try:
                 netns.remove(name)
@@ -228,6 +323,12 @@ class NetnsCluster:
                 pass
         self._created.clear()
         self.teardown_s = time.perf_counter() - started
+
+
+def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
+    """The first line `process` writes on stdout, or "" if it exits or says nothing within `timeout_s`."""
+    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
+    return process.stdout.readline().decode(errors="replace") if ready else ""
 
 
 def _processes_in(ns_path: Path) -> list[int]:
@@ -244,6 +345,26 @@ def _processes_in(ns_path: Path) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def _stop_delay_lines(run_key: str, switch_namespaces: list[Path]) -> None:
+    """SIGKILL the delay lines of dead run `run_key` that outlived it (their parent-death signal normally stops them):
+    only processes in its switch namespace that run harness.delayline for that run key, by PID."""
+    for ns_path in switch_namespaces:
+        try:
+            pids = _processes_in(ns_path)
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"harness.delayline" in argv and run_key.encode() in argv:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def cleanup(run_key: str | None = None, not_checked: list[str] | None = None) -> list[str]:
@@ -290,6 +411,7 @@ def cleanup(run_key: str | None = None, not_checked: list[str] | None = None) ->
                 continue
         if alive:
             continue
+        _stop_delay_lines(key, [NETNS_DIR / name for name in own if name.endswith("-sw")])
         # In the order down() removes them: the clusters', then the switch (their veths go with either end).
         for name in sorted(own, key=lambda n: n.endswith("-sw")):
             try:

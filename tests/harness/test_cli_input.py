@@ -98,10 +98,20 @@ CASES = [
         env={"HARNESS_MAX_RATE": "3gbit"},
     ),
     Case(
-        "delay-without-netem",
-        ["run", "--profile", "wan-1gbps-20ms"],
-        ["no sch_netem", "modprobe sch_netem", "rate-only profile"],
+        "netem-emulator-without-netem",
+        ["run", "--profile", "wan-1gbps-20ms", "--link-emulator", "netem"],
+        ["lacks", "modprobe sch_netem", "--link-emulator userspace"],
         only_without_netem=True,
+    ),
+    Case(
+        "userspace-emulator-on-docker",
+        ["run", "--profile", "wan-1gbps-20ms", "--backend", "docker", "--link-emulator", "userspace"],
+        ["netns backend only", "--backend netns"],
+    ),
+    Case(
+        "unknown-link-emulator",
+        ["run", "--profile", "wan-1gbps-20ms", "--link-emulator", "tc"],
+        ["--link-emulator", "'tc'"],
     ),
     Case(
         "unknown-method",
