@@ -71,13 +71,14 @@ def resolve_link_emulator(config: RunConfig) -> str | None:
     """What will add the profile's delay, jitter and loss: "netem", "userspace", or None when it asks for none.
 
     auto takes netem where the kernel has it, else the userspace delay line; a choice the machine cannot honour is
-    refused here, before the host is touched.
+    refused here, before the host is touched. `userspace` puts the delay line in the path even for a profile with
+    no delay (its zero-delay baseline: comparing RTTs with the same forwarding cost in every run).
     """
     profile = config.profile
-    if not profile.needs_netem:
+    choice = config.link_emulator
+    if not profile.needs_netem and choice != "userspace":
         return None
     has_netem = probe_qdiscs(os.geteuid() != 0)["netem"]
-    choice = config.link_emulator
     if choice == "netem" and not has_netem:
         raise RunError(
             "--link-emulator netem needs sch_netem, which this kernel lacks; load it (modprobe sch_netem) or use "

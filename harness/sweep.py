@@ -46,7 +46,7 @@ from harness.results import RunFolder
 from trainers.config import TrainConfig
 from trainers.registry import METHODS, option_names
 
-CLUSTER_KEYS = frozenset({"clusters", "stages", "backend"})
+CLUSTER_KEYS = frozenset({"clusters", "stages", "backend", "link_emulator"})
 # The seed is a sweep axis of its own; of the optimizer, RunConfig.build takes the learning rate.
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"optim", "seed"} | {"lr"}
 
