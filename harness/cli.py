@@ -57,27 +57,31 @@ class _Group(click.Group):
             _fail("aborted")
 
 
-def _method_options() -> dict[str, tuple[Any, dict[str, Any]]]:
-    """Every method config field, once: name -> (type, {method: default}).
+def _method_options() -> dict[str, tuple[Any, dict[str, Any], str]]:
+    """Every method config field, once: name -> (type, {method: default}, help). A field's help is its
+    `metadata["help"]` in the method's config (the first method that gives one).
 
     A field that several methods share must have one type, except that one method may also accept None
     (e.g. cocktail's --bits none): the flag then accepts 'none' and the method that refuses it says so.
     """
     from trainers.registry import method_class, method_names
 
-    options: dict[str, tuple[Any, dict[str, Any]]] = {}
+    options: dict[str, tuple[Any, dict[str, Any], str]] = {}
     for name in method_names():
         config_cls = method_class(name).config_class
         hints = typing.get_type_hints(config_cls)
         for f in dataclasses.fields(config_cls):
             kind = hints[f.name]
             if f.name in options:
-                known = options[f.name][0]
+                known, defaults, help_text = options[f.name]
                 if _optional(kind) and not _optional(known):
-                    options[f.name] = (kind, options[f.name][1])
+                    options[f.name] = (kind, defaults, help_text)
                 elif not ({_strip_none(kind), _strip_none(known)} <= {_strip_none(known)}):
                     raise TypeError(f"method option {f.name} has type {known} in one method and {kind} in {name}")
-            options.setdefault(f.name, (kind, {}))[1][name] = f.default
+            kind, defaults, help_text = options.setdefault(f.name, (kind, {}, ""))
+            defaults[name] = f.default
+            if not help_text and f.metadata.get("help"):
+                options[f.name] = (kind, defaults, f.metadata["help"] + " ")
     return options
 
 
@@ -117,15 +121,14 @@ def _click_type(kind: Any) -> Any:
 def _method_option_params() -> list[click.Option]:
     """One flag per method option, generated from the methods' config dataclasses so the CLI never drifts."""
     params = []
-    for field_name, (kind, defaults) in sorted(_method_options().items()):
+    for field_name, (kind, defaults, help_text) in sorted(_method_options().items()):
         flag = field_name.replace("_", "-")
         used_by = "method option; " + ", ".join(f"{m}: {d}" for m, d in defaults.items())
+        help_text = f"{help_text}[{used_by}]"
         if kind is bool:
-            params.append(click.Option([f"--{flag}/--no-{flag}", field_name], default=None, help=f"[{used_by}]"))
+            params.append(click.Option([f"--{flag}/--no-{flag}", field_name], default=None, help=help_text))
         else:
-            params.append(
-                click.Option([f"--{flag}", field_name], type=_click_type(kind), default=None, help=f"[{used_by}]")
-            )
+            params.append(click.Option([f"--{flag}", field_name], type=_click_type(kind), default=None, help=help_text))
         if typing.get_origin(kind) is typing.Literal and "none" in typing.get_args(kind):
             # A switch that grew modes (dilocox's --overlap) keeps its --no-FLAG, as a hidden alias of --FLAG none.
             params.append(click.Option([f"--no-{flag}", field_name], flag_value="none", default=None, hidden=True))

@@ -224,7 +224,7 @@ def test_method_option_that_does_not_apply(harness_cli, tmp_path, monkeypatch):
     methods = cli.method_names()
     foreign = [
         (name, method, kind, defaults)
-        for name, (kind, defaults) in sorted(options.items())
+        for name, (kind, defaults, _) in sorted(options.items())
         for method in methods
         if method not in defaults
     ]

@@ -263,7 +263,7 @@ def float_options() -> list[tuple[str, str]]:
     """(method, flag) for every float option of every method's config."""
     return [
         (method, "--" + name.replace("_", "-"))
-        for name, (kind, defaults) in sorted(cli._method_options().items())
+        for name, (kind, defaults, _) in sorted(cli._method_options().items())
         if kind is float or kind == "float"
         for method in sorted(defaults)
     ]
