@@ -12,6 +12,9 @@
                         a right axis; the measured compression error^2 beside omega^2 (paper) and omega^2 (corrected),
                         dashed. Rank 0's events (cluster 0, stage 0), so each sync counts once; a variant's line is the
                         mean over its n runs per round, with a ± 1 std band over rounds that two runs or more reach
+    rtt-<model>-<rate>  applied tokens/s per method against the link's round-trip time (the profile's), across the
+                        profiles of one rate whose runs share model, cluster shape and steps; drawn where they span two
+                        RTTs or more (a latency sweep), with the report's intervals
 
 A group is named <profile>-<model>, with the cluster shape and step count appended when several groups share both.
 A method keeps its colour in every figure. Figures are built as matplotlib Figure objects without pyplot, so they
@@ -369,4 +372,66 @@ def plot_all(tables: RunTables, out: Path) -> list[Path]:
             rounds = sync_rounds(group, tables.events)
             if not rounds.empty:
                 written += _save(monitor_figure(group, rounds, colors), out, f"monitor-{slug}")
+    written += _rtt_figures(ok, compared, palette, out)
     return written
+
+
+# Runs that differ only in their link's round-trip time: same model, cluster shape, steps and rate.
+RTT_FAMILY_KEYS = ["model", "clusters", "stages", "steps", "link_rate_bps"]
+
+
+def rtt_families(ok: pd.DataFrame, compared: pd.DataFrame) -> list[tuple[str, pd.DataFrame, pd.DataFrame]]:
+    """(figure name, the comparison's rows with their rtt_ms, the runs) of every family of runs at two RTTs or more."""
+    families = []
+    # A profile without delay has no link check; its RTT is the emulator's own (well under a millisecond).
+    runs = ok.assign(rtt_ms=ok["link_rtt_target_ms"].astype(float).fillna(0.0))
+    for key, family in runs.groupby(RTT_FAMILY_KEYS, sort=True, dropna=False):
+        rtt_by_profile = family.groupby("profile")["rtt_ms"].first()
+        if rtt_by_profile.nunique() < 2:
+            continue
+        mask = compared["profile"].isin(rtt_by_profile.index)
+        for column, value in zip(RTT_FAMILY_KEYS[:4], key[:4], strict=True):
+            mask &= compared[column] == value
+        rows = compared[mask]
+        rows = rows.assign(rtt_ms=rows["profile"].map(rtt_by_profile)).sort_values("rtt_ms")
+        model, rate = key[0], key[4]
+        link = "unshaped" if pd.isna(rate) else format_rate(rate)
+        families.append((f"rtt-{model}-{link.replace(' ', '').replace('/', '')}", rows, family))
+    return families
+
+
+def _rtt_figures(ok: pd.DataFrame, compared: pd.DataFrame, palette: dict[str, str], out: Path) -> list[Path]:
+    """rtt-<model>-<rate>: tokens/s against RTT, for every family of runs at two RTTs or more."""
+    written: list[Path] = []
+    for name, rows, family in rtt_families(ok, compared):
+        written += _save(rtt_figure(rows, palette, family), out, name)
+    return written
+
+
+def rtt_figure(rows: pd.DataFrame, palette: dict[str, str], family: pd.DataFrame) -> Figure:
+    """Applied tokens/s per variant against the link's round-trip time, log scale, with the report's intervals."""
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    for variant, line in rows.groupby("variant", sort=False):
+        below = (line["tokens_per_s"] - line["tokens_per_s_low"]).clip(lower=0.0).fillna(0.0)
+        above = (line["tokens_per_s_high"] - line["tokens_per_s"]).clip(lower=0.0).fillna(0.0)
+        ax.errorbar(
+            line["rtt_ms"], line["tokens_per_s"], yerr=[below.to_numpy(), above.to_numpy()], marker="o", capsize=4,
+            color=palette.get(variant), label=f"{variant} (n={int(line['runs'].min())}-{int(line['runs'].max())})",
+        )  # fmt: skip
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(EngFormatter(sep=""))
+    ax.set_xlabel("round-trip time between clusters (ms, the profile's)")
+    ax.set_ylabel("applied throughput (tokens/s, log scale)")
+    ax.grid(which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    run = family.iloc[0]
+    rate = run["link_rate_bps"]
+    link = "unshaped" if pd.isna(rate) else format_rate(rate)
+    ax.set_title(
+        f"Throughput vs round-trip time at {link}\nmodel {run['model']} · {run['clusters']} clusters x "
+        f"{run['stages']} stages · {run['steps']} steps · bars: 95% interval (n ≥ 3), range (n = 2)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import matplotlib
 import pytest
 from click.testing import CliRunner
 
 from harness.cli import main
-from harness.plots import loss_figure, monitor_figure, plot_all, step_breakdown, sync_rounds
-from harness.report import eval_curve, load_runs
+from harness.plots import loss_figure, monitor_figure, plot_all, rtt_families, step_breakdown, sync_rounds
+from harness.report import comparison, eval_curve, load_runs
 from tests.harness.fakeruns import write_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -174,3 +176,23 @@ def test_monitor_lines_are_the_mean_over_seeds_with_a_band_only_for_two_runs(tmp
     assert lines(ratio, "#000000") == []  # allreduce logs no monitor
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels == ["dilocox local_steps=10 (n=1, no band)", "dilocox local_steps=5 (n=2, band ± 1 std)"]
+
+
+def test_rtt_figure_for_runs_that_differ_only_in_round_trip_time(tmp_path):
+    root = tmp_path / "sweep"
+    for profile, rtt, speed in (("1gbps", None, 900.0), ("wan-1gbps-40ms-rtt", 40.0, 300.0)):
+        for seed in (0, 1):
+            run = write_run(root, f"ar-{profile}-{seed}", "allreduce", profile=profile, seed=seed, tokens_per_s=speed)
+            summary = json.loads((run / "summary.json").read_text())
+            summary["link_rtt_target_ms"] = rtt
+            (run / "summary.json").write_text(json.dumps(summary))
+    write_run(root, "ar-slow", "allreduce", profile="100mbps", tokens_per_s=100)  # another rate: no family
+    written = plot_all(load_runs([root]), tmp_path / "figures")
+    rtt_files = sorted(p.name for p in written if p.name.startswith("rtt-"))
+    assert rtt_files == ["rtt-tiny-1Gbits.png", "rtt-tiny-1Gbits.svg"]
+    svg = (tmp_path / "figures" / "rtt-tiny-1Gbits.svg").read_text()
+    assert "round-trip time" in svg and "allreduce (n=2-2)" in svg
+    tables = load_runs([root])
+    ((_, rows, _),) = rtt_families(tables.runs[tables.runs["status"] == "ok"], comparison(tables))
+    assert rows["rtt_ms"].tolist() == [0.0, 40.0]
+    assert rows["tokens_per_s"].round().tolist() == [900.0, 300.0]
