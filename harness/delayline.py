@@ -152,6 +152,11 @@ class DelayLine:
             return self.packet.recv(FRAME_BUFFER)
         except BlockingIOError:
             return None
+        except OSError as err:
+            # The veth went down (a link-down fault): reported once; the socket rebinds when it comes back up.
+            if err.errno != errno.ENETDOWN:
+                raise
+            return None
 
     def _read_tap(self) -> bytes | None:
         try:
@@ -213,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-pct", type=float, default=0.0, help="this hop's loss, each direction")
     parser.add_argument("--reorder", action="store_true", help="let jitter reorder frames")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parent-pid", type=int, help="the harness: exit if it is already gone")
     args = parser.parse_args(argv)
     set_parent_death_signal(signal.SIGTERM)
+    if args.parent_pid is not None and os.getppid() != args.parent_pid:
+        return 1  # the harness died before the parent-death signal was armed: nobody would stop this process
     scheduling = use_realtime_priority()
 
     def direction(offset: int) -> Direction:
