@@ -253,6 +253,11 @@ def _print_summary(summary: dict[str, Any]) -> None:
                 else f"{verdict}: RTT {summary['link_rtt_ms']:.2f} ms vs {summary['link_rtt_target_ms']:g} ms",
             )
         )
+    for fault in summary.get("faults") or []:
+        restored = (
+            f", restored after {fault['restored_t'] - fault['injected_t']:.1f} s" if "restored_t" in fault else ""
+        )
+        rows.append(("fault", f"{fault['fault']} injected at step {fault['injected_at_step']}{restored}"))
     if summary.get("link_busbw_bps"):
         rows.append(
             (
@@ -340,13 +345,21 @@ def _link_emulator_flag(default: str | None = "auto"):
 @click.option("--backend", default="netns", show_default=True, type=click.Choice(["netns", "docker"]))
 @_link_emulator_flag()
 @click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    metavar="KIND:STEP:ARG",
+    help="Inject a fault when rank 0 has done STEP steps (repeatable): link-down:STEP:SECONDS, rate:STEP:RATE "
+    "(e.g. rate:50:100mbit), kill:STEP:RANK.",
+)
+@click.option(
     "--gpus",
     default="auto",
     show_default=True,
     help="Docker backend: one GPU per rank: auto (GPU r for rank r with the nvidia runtime), none, or ids 0,1.",
 )
 @train_option_flags
-def run(method, profile, clusters, stages, out, calibrate, backend, link_emulator, gpus, **settings):
+def run(method, profile, clusters, stages, out, calibrate, backend, link_emulator, faults, gpus, **settings):
     """Train one method on the emulated cluster and write a results folder."""
     from harness.runner import run as run_benchmark
     from harness.runner import validate
@@ -358,6 +371,7 @@ def run(method, profile, clusters, stages, out, calibrate, backend, link_emulato
         stages=stages,
         backend=backend,
         link_emulator=link_emulator,
+        faults=faults,
         gpus=gpus,
         calibrate=calibrate,
         **settings,

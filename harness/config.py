@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.errors import UserError
+from harness.faults import Fault, check_faults, parse_fault
 from harness.profiles import LinkSpec, Profile, check_shapeable, load_profile
 from harness.topology import Topology
 from trainers.config import OptimConfig, TrainConfig
@@ -75,6 +76,8 @@ class RunConfig:
     # What adds the profile's delay, jitter and loss: netem where the kernel has it (auto), else the userspace delay
     # line (harness/delayline.py). The runner resolves auto and records the choice.
     link_emulator: Literal["auto", "netem", "userspace"] = "auto"
+    # Faults to inject, as given: "KIND:STEP:ARG" (harness/faults.py).
+    faults: tuple[str, ...] = ()
     # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
     # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
     collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
@@ -92,6 +95,13 @@ class RunConfig:
         Topology(self.clusters, self.stages)
         if self.link_emulator not in LINK_EMULATORS:
             raise UserError(f"--link-emulator must be one of {', '.join(LINK_EMULATORS)}, got {self.link_emulator!r}")
+        check_faults(
+            self.parsed_faults(),
+            self.train.steps,
+            self.clusters * self.stages,
+            self.backend,
+            self.profile.inter_cluster.rate_bps,
+        )
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         try:
@@ -127,6 +137,9 @@ class RunConfig:
                 check_data(self.train.data, seq_len, self.clusters, data_shift=self.train.data_shift)
             except ValueError as err:
                 raise UserError(str(err)) from None
+
+    def parsed_faults(self) -> tuple[Fault, ...]:
+        return tuple(parse_fault(text) for text in self.faults)
 
     def warnings(self) -> list[str]:
         """Settings that run but measure little: call after validate(); each is one sentence naming the fix."""
@@ -169,6 +182,7 @@ class RunConfig:
         mode: Literal["train", "calibrate"] = "train",
         calibrate: bool = False,
         link_emulator: Literal["auto", "netem", "userspace"] = "auto",
+        faults: tuple[str, ...] = (),
         collective_timeout_s: float | None = None,
         **settings: Any,
     ) -> RunConfig:
@@ -196,6 +210,7 @@ class RunConfig:
             mode=mode,
             calibrate=calibrate,
             link_emulator=link_emulator,
+            faults=tuple(faults),
             **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
         )
 
@@ -213,4 +228,5 @@ class RunConfig:
         train = data.pop("train")
         optim = train.pop("optim")
         optim["betas"] = tuple(optim["betas"])
+        data["faults"] = tuple(data.get("faults", ()))
         return cls(profile=profile, train=TrainConfig(optim=OptimConfig(**optim), **train), **data)

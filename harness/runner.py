@@ -21,6 +21,7 @@ from harness.backends import ClusterBackend, Worker, make_backend
 from harness.config import RunConfig
 from harness.errors import UserError
 from harness.events import EventTail, read_events
+from harness.faults import FaultInjector
 from harness.linkprobe import LinkCheckFailed, check_link
 from harness.ownership import RunLock
 from harness.results import DEFAULT_RUNS_DIR, RunFolder, environment, summarize
@@ -194,7 +195,8 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
     )
     procs: dict[int, Worker] = {}
     failure: str | None = None
-    record: dict[str, Any] = {"link_emulator": emulator}
+    record: dict[str, Any] = {"link_emulator": emulator, "faults": []}
+    injector: FaultInjector | None = None
     qdiscs: list[dict] = []
     with _Signals() as signals:
         try:
@@ -219,7 +221,14 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
                 }
                 argv = [sys.executable, "-m", "harness.worker", "--run-dir", str(run_dir)]
                 procs[rank] = cluster.spawn(rank, argv, env, run_dir / "logs" / f"rank{rank}.log")
-            failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check)
+            injector = FaultInjector(
+                config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), run_dir / "events" / "faults.jsonl"
+            )
+            record["faults"] = injector.records
+            failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll)
+            killed = [r["rank"] for r in injector.records if r["fault"] == "kill"]
+            if failure and killed:
+                failure += f" (--fault kill injected on rank {', '.join(map(str, killed))})"
             if failure is None:
                 record["wire_bytes_run"] = wire.total()
         except Interrupted as sig:
@@ -233,7 +242,7 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
         finally:
             signals.tearing_down = True
             record["interrupted_by"] = signals.received[0] if signals.received else None
-            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs)
+            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector)
     summary["results_dir"] = str(final)
     return summary
 
@@ -246,10 +255,14 @@ def _teardown(
     failure: str | None,
     record: dict[str, Any],
     qdiscs: list[dict],
+    injector: FaultInjector | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
     teardown_errors = []
-    for what, step in (("stopping the workers", lambda: _stop(procs)), ("removing the cluster", cluster.down)):
+    steps = [("stopping the workers", lambda: _stop(procs)), ("removing the cluster", cluster.down)]
+    if injector is not None:
+        steps.insert(1, ("ending an injected outage", injector.restore))
+    for what, step in steps:
         try:
             step()
         except Exception as err:
@@ -307,9 +320,11 @@ def _watch(
     wire: _WireMeter,
     on_progress: Callable[[dict[str, Any]], None] | None,
     check_signals: Callable[[], None],
+    inject_faults: Callable[[int], None] = lambda steps_done: None,
 ) -> str | None:
     """Wait for every rank; a rank that fails fails the run (the others would hang in collectives), and so does a
-    run that makes no progress (the watchdog) or whose cluster disappears."""
+    run that makes no progress (the watchdog) or whose cluster disappears. `inject_faults` gets rank 0's completed
+    steps at every poll (harness/faults.py)."""
     tails = {rank: EventTail(run_dir / "events" / f"rank{rank}.jsonl") for rank in procs}
     last_event_at = dict.fromkeys(procs, time.monotonic())
     steps_logged = dict.fromkeys(procs, 0)
@@ -335,6 +350,7 @@ def _watch(
                         latest.update(event)
                 elif event["kind"] == "eval" and rank == topology.world_size - 1:
                     latest["val_loss"] = event["val_loss"]
+        inject_faults(steps_logged[0])
         if now - last_intact_check >= INTACT_CHECK_S:
             last_intact_check = now
             gone = wire.cluster.vanished()

@@ -90,6 +90,16 @@ def apply_link_spec(ip: IPRoute, ifname: str, spec: LinkSpec, netem: bool = Fals
     return applied
 
 
+def change_link_rate(ip: IPRoute, ifname: str, spec: LinkSpec, netem: bool = False) -> dict:
+    """Change the rate of the tbf that `apply_link_spec(ip, ifname, spec, netem)` set, in place (packets queued in it
+    stay); `spec` is the link at its new rate. Returns what was applied."""
+    index = ip.link_lookup(ifname=ifname)[0]
+    under_netem = netem and spec.needs_netem
+    handle, parent = (0x100000, {"parent": 0x10001}) if under_netem else (0x10000, {})
+    ip.tc("change", "tbf", index, handle, **parent, **_tbf_kwargs(spec))
+    return {"dev": ifname, "kind": "tbf", "handle": "10:" if under_netem else "1:", **_tbf_kwargs(spec)}
+
+
 def read_qdiscs(ip: IPRoute, ifname: str) -> list[dict]:
     """The qdiscs the kernel reports on `ifname`, for the results' record of what was really in force."""
     index = ip.link_lookup(ifname=ifname)[0]

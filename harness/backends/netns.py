@@ -26,6 +26,7 @@ where it may create namespaces, veths and qdiscs; everything it makes there vani
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import select
@@ -43,7 +44,7 @@ from harness.delayline import TAP_PREFIX
 from harness.errors import UserError
 from harness.process import set_parent_death_signal
 from harness.profiles import Profile
-from harness.shaping import apply_link_spec, read_qdiscs
+from harness.shaping import apply_link_spec, change_link_rate, read_qdiscs
 from harness.topology import Topology
 
 NETNS_DIR = Path(netns.NETNS_RUN_DIR)
@@ -232,6 +233,7 @@ class NetnsCluster:
             "--veth", self.downlink(cluster), "--tap", self.tap(cluster),
             "--delay-ms", repr(spec.hop_delay_ms), "--jitter-ms", repr(spec.hop_jitter_ms),
             "--loss-pct", repr(spec.hop_loss_pct), "--seed", str(self.seed * 1000 + cluster),
+            "--parent-pid", str(os.getpid()),
         ]  # fmt: skip
         if spec.reorder:
             argv.append("--reorder")
@@ -251,6 +253,23 @@ class NetnsCluster:
                 f"the delay line of cluster {cluster} did not start (exit code {process.poll()}); "
                 f"see logs/delayline-c{cluster}.log"
             )
+
+    def set_link_up(self, up: bool) -> None:
+        """Take every cluster's link down (all its traffic lost) or bring it back: the bridge-side veth ends."""
+        with NetNS(self.switch_ns, flags=0) as sw:
+            for c in range(self.topology.clusters):
+                sw.link("set", index=sw.link_lookup(ifname=self.downlink(c))[0], state="up" if up else "down")
+
+    def set_link_rate(self, rate_bps: int) -> None:
+        """Give every cluster's link a new rate, both veth ends, tbf changed in place (burst re-derived for it)."""
+        spec = dataclasses.replace(self.profile.inter_cluster, rate_bps=rate_bps, burst_bytes=None)
+        netem = self.link_emulator == "netem"
+        with NetNS(self.switch_ns, flags=0) as sw:
+            for c in range(self.topology.clusters):
+                self.applied_qdiscs.append(change_link_rate(sw, self.downlink(c), spec, netem))
+        for c in range(self.topology.clusters):
+            with NetNS(self.cluster_ns(c), flags=0) as ns:
+                self.applied_qdiscs.append(change_link_rate(ns, self.uplink(c), spec, netem))
 
     def kernel_qdiscs(self) -> list[dict]:
         """The qdiscs as the kernel reports them now, for environment.json."""

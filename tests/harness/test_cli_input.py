@@ -109,6 +109,31 @@ CASES = [
         ["netns backend only", "--backend netns"],
     ),
     Case(
+        "unknown-fault-kind",
+        ["run", "--fault", "flap:10:5"],
+        ["unknown fault kind 'flap'", "link-down, rate, kill"],
+    ),
+    Case(
+        "fault-step-beyond-the-run",
+        ["run", "--steps", "20", "--fault", "link-down:20:5"],
+        ["step 20 is outside the run", "between 1 and 19"],
+    ),
+    Case(
+        "fault-on-a-rank-that-does-not-exist",
+        ["run", "--fault", "kill:5:2"],
+        ["names rank 2", "ranks 0 to 1"],
+    ),
+    Case(
+        "malformed-fault",
+        ["run", "--fault", "link-down:5"],
+        ["must be KIND:STEP:ARG", "link-down:50:10"],
+    ),
+    Case(
+        "rate-fault-on-an-unshaped-link",
+        ["run", "--profile", "unshaped", "--fault", "rate:5:10mbit"],
+        ["has none", "use a profile with a rate"],
+    ),
+    Case(
         "unknown-link-emulator",
         ["run", "--profile", "wan-1gbps-20ms", "--link-emulator", "tc"],
         ["--link-emulator", "'tc'"],
