@@ -481,6 +481,8 @@ def profiles_show(name: str) -> None:
     click.echo(Path(p.source).read_text().rstrip())
     click.echo(f"# inter-cluster: {p.inter_cluster.describe()}")
     click.echo(f"# intra-cluster: {p.intra_cluster.describe()}")
+    for line in p.topology_lines():
+        click.echo(f"# topology: {line}")
     click.echo(yaml.safe_dump({"parsed": p.to_dict()}, sort_keys=False).rstrip())
 
 

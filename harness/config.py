@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from harness.errors import UserError
 from harness.faults import Fault, check_faults, parse_fault
-from harness.profiles import LinkSpec, Profile, check_shapeable, load_profile
+from harness.profiles import Profile, check_shapeable, load_profile
 from harness.topology import Topology
 from trainers.config import OptimConfig, TrainConfig
 
@@ -93,6 +93,7 @@ class RunConfig:
     def validate(self) -> None:
         """Everything the user chose, checked together before the host is touched; raises UserError."""
         Topology(self.clusters, self.stages)
+        self.profile.check_sites(self.clusters)
         if self.link_emulator not in LINK_EMULATORS:
             raise UserError(f"--link-emulator must be one of {', '.join(LINK_EMULATORS)}, got {self.link_emulator!r}")
         check_faults(
@@ -217,14 +218,7 @@ class RunConfig:
     @classmethod
     def load(cls, path: Path) -> RunConfig:
         data = json.loads(path.read_text())
-        prof = data.pop("profile")
-        profile = Profile(
-            prof["name"],
-            prof["description"],
-            LinkSpec(**prof["inter_cluster"]),
-            LinkSpec(**prof["intra_cluster"]),
-            prof["source"],
-        )
+        profile = Profile.from_dict(data.pop("profile"))
         train = data.pop("train")
         optim = train.pop("optim")
         optim["betas"] = tuple(optim["betas"])

@@ -26,6 +26,7 @@ shapes its own egress once).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -59,7 +60,9 @@ _LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss", "reorder"}
 # No terrestrial or satellite path is slower one way (geostationary: ~280 ms one way, ~600 ms RTT); a larger delay
 # is almost certainly a unit mistake (2s for 2ms).
 MAX_DELAY_MS = 2000.0
-_PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster"}
+_PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster", "sites"}
+# A site's own access link: its rate in both directions, or up (from the site) and down (to it) apart.
+_SITE_KEYS = {"rate", "up", "down", "burst", "latency"}
 
 
 class ProfileError(UserError):
@@ -238,16 +241,85 @@ def check_burst(rate_bps: int | None, burst_bytes: int, shown: str, where: str =
 
 
 @dataclass(frozen=True)
+class SiteLink:
+    """One site's own access link where it differs from the profile's inter_cluster link: `up` shapes what the
+    site sends, `down` what it receives. Delay, jitter and loss stay the inter_cluster link's."""
+
+    up: LinkSpec
+    down: LinkSpec
+
+    @classmethod
+    def from_yaml(cls, data: object, default: LinkSpec, where: str) -> SiteLink:
+        if not isinstance(data, dict) or not data:
+            raise ProfileError(f"{where} must be a mapping of {sorted(_SITE_KEYS)}, e.g. {{rate: 100mbit}}")
+        unknown = set(data) - _SITE_KEYS
+        if unknown:
+            raise ProfileError(
+                f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_SITE_KEYS)} (a site's delay and loss "
+                "are the inter_cluster link's)"
+            )
+        if "rate" in data and ({"up", "down"} & set(data)):
+            raise ProfileError(f"{where} gives rate and up/down; give rate (both directions) or up and down")
+        rate = parse_rate_bps(data["rate"]) if "rate" in data else default.rate_bps
+        up = parse_rate_bps(data["up"]) if "up" in data else rate
+        down = parse_rate_bps(data["down"]) if "down" in data else rate
+        shape = {}
+        if "burst" in data:
+            shape["burst_bytes"] = parse_size_bytes(data["burst"])
+        if "latency" in data:
+            shape["latency_ms"] = parse_time_ms(data["latency"])
+
+        def link(rate_bps: int | None) -> LinkSpec:
+            # The burst follows the site's rate unless the site sets one.
+            spec = dataclasses.replace(default, rate_bps=rate_bps, burst_bytes=None, **shape)
+            check_burst(rate_bps, spec.burst_bytes, f"{spec.burst_bytes}b", f"{where}: ")
+            return spec
+
+        return cls(up=link(up), down=link(down))
+
+    def to_dict(self) -> dict:
+        return {"up": self.up.__dict__, "down": self.down.__dict__}
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     description: str
     inter_cluster: LinkSpec = field(default_factory=LinkSpec)
     intra_cluster: LinkSpec = field(default_factory=LinkSpec)
     source: str = ""
+    # Sites (clusters, by index) whose access link differs from inter_cluster: uneven links, stragglers.
+    sites: dict[int, SiteLink] = field(default_factory=dict)
 
     @property
     def needs_netem(self) -> bool:
         return self.inter_cluster.needs_netem or self.intra_cluster.needs_netem
+
+    def uplink(self, cluster: int) -> LinkSpec:
+        """What shapes the traffic cluster `cluster` sends onto the inter-cluster link."""
+        return self.sites[cluster].up if cluster in self.sites else self.inter_cluster
+
+    def downlink(self, cluster: int) -> LinkSpec:
+        """What shapes the traffic cluster `cluster` receives from the inter-cluster link."""
+        return self.sites[cluster].down if cluster in self.sites else self.inter_cluster
+
+    def topology_lines(self) -> list[str]:
+        """The sites around the switch and what shapes each one's link, for `harness profiles show`."""
+        lines = ["every site --[" + self.inter_cluster.describe() + "]--> switch <--[same]-- every other site"]
+        for site, link in sorted(self.sites.items()):
+            up = format_rate(link.up.rate_bps) if link.up.rate_bps else "unshaped"
+            down = format_rate(link.down.rate_bps) if link.down.rate_bps else "unshaped"
+            lines.append(f"  except site {site}:  --[up {up}]--> switch --[down {down}]--> site {site}")
+        return lines
+
+    def check_sites(self, clusters: int) -> None:
+        """Every site the profile shapes exists in a run of `clusters` clusters."""
+        missing = sorted(site for site in self.sites if site >= clusters)
+        if missing:
+            raise ProfileError(
+                f"profile {self.name!r} gives site {missing[0]} its own link, but the run has sites 0 to "
+                f"{clusters - 1}; use --clusters {max(missing) + 1} or more, or remove that site from the profile"
+            )
 
     def to_dict(self) -> dict:
         return {
@@ -256,7 +328,23 @@ class Profile:
             "source": self.source,
             "inter_cluster": self.inter_cluster.__dict__,
             "intra_cluster": self.intra_cluster.__dict__,
+            "sites": {str(site): link.to_dict() for site, link in sorted(self.sites.items())},
         }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        """The inverse of to_dict (a run's config.json)."""
+        return cls(
+            data["name"],
+            data["description"],
+            LinkSpec(**data["inter_cluster"]),
+            LinkSpec(**data["intra_cluster"]),
+            data["source"],
+            {
+                int(site): SiteLink(LinkSpec(**link["up"]), LinkSpec(**link["down"]))
+                for site, link in data.get("sites", {}).items()
+            },
+        )
 
 
 def known_profiles() -> list[str]:
@@ -293,12 +381,22 @@ def load_profile(name_or_path: str) -> Profile:
     unknown = set(data) - _PROFILE_KEYS
     if unknown:
         raise ProfileError(f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
+    inter_cluster = LinkSpec.from_yaml(data.get("inter_cluster"), f"{path.name}: inter_cluster")
+    sites = data.get("sites") or {}
+    if not isinstance(sites, dict) or not all(isinstance(k, int) and k >= 0 for k in sites):
+        raise ProfileError(
+            f"{path.name}: sites must map site numbers (0, 1, ...) to their links, e.g. sites: {{1: {{rate: 100mbit}}}}"
+        )
     return Profile(
         name=path.stem,
         description=str(data.get("description", "")),
-        inter_cluster=LinkSpec.from_yaml(data.get("inter_cluster"), f"{path.name}: inter_cluster"),
+        inter_cluster=inter_cluster,
         intra_cluster=LinkSpec.from_yaml(data.get("intra_cluster"), f"{path.name}: intra_cluster"),
         source=str(path),
+        sites={
+            site: SiteLink.from_yaml(link, inter_cluster, f"{path.name}: sites: {site}")
+            for site, link in sorted(sites.items())
+        },
     )
 
 
@@ -336,7 +434,10 @@ def max_shapeable_rate_bps() -> float:
 def check_shapeable(profile: Profile) -> None:
     """Refuse a rate this machine's CPUs cannot push through a veth, so the link is really the bottleneck."""
     ceiling = max_shapeable_rate_bps()
-    for which, spec in (("inter_cluster", profile.inter_cluster), ("intra_cluster", profile.intra_cluster)):
+    links = [("inter_cluster", profile.inter_cluster), ("intra_cluster", profile.intra_cluster)]
+    for site, link in sorted(profile.sites.items()):
+        links += [(f"site {site}'s uplink", link.up), (f"site {site}'s downlink", link.down)]
+    for which, spec in links:
         if spec.rate_bps is not None and spec.rate_bps > ceiling:
             raise ProfileError(
                 f"profile {profile.name!r} asks for {format_rate(spec.rate_bps)} on {which}, more than this "

@@ -288,12 +288,27 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
     tokens = steps[-1]["tokens"] if steps else 0
     exchanges = [e for e in syncs if e.get("sync_payload_bytes")]
     link = config.profile.inter_cluster
-    excess = None
-    if link.rate_bps is not None and config.clusters > 1:
-        per_cluster = [
-            max_excess(_wire_samples(events[r]), link.rate_bps, default_burst_bytes(link.rate_bps)) for r in first_stage
-        ]
-        excess = max((x for x in per_cluster if x is not None), default=None)
+    per_cluster = []
+    for cluster, rank in enumerate(first_stage):
+        # Each cluster's uplink at its own rate (a profile's `sites` may give it one).
+        up, down = config.profile.uplink(cluster), config.profile.downlink(cluster)
+        rate = up.rate_bps if config.clusters > 1 else None
+        per_cluster.append(
+            {
+                "cluster": cluster,
+                "uplink_rate_bps": up.rate_bps,
+                "downlink_rate_bps": down.rate_bps,
+                "wire_bytes": ranks.get(rank, {}).get("wire_bytes"),
+                # How long this cluster's replica waited on the slow link (its stage-0 rank's blocked time).
+                "comm_blocked_s": sum(
+                    e.get("sync_blocked_s", 0.0) for e in events[rank] if e["kind"] in ("step", "finish")
+                ),
+                "link_max_excess": (
+                    max_excess(_wire_samples(events[rank]), rate, default_burst_bytes(rate)) if rate else None
+                ),
+            }
+        )
+    excess = max((c["link_max_excess"] for c in per_cluster if c["link_max_excess"] is not None), default=None)
     retransmitted = from_ranks("tcp_retransmitted_segments", first_stage)
     out_segments = from_ranks("tcp_out_segments", first_stage)
     summary = {
@@ -328,6 +343,7 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "link_burst_bytes": link.burst_bytes if link.rate_bps is not None else None,
         "regime_target_r": _regime_target_r(config.profile.source),
         "link_max_excess": excess,
+        "per_cluster": per_cluster,
         "link_conforms": conforms(excess),
         "tcp_retransmitted_segments": sum(retransmitted) if retransmitted else None,
         "tcp_retransmit_fraction": sum(retransmitted) / sum(out_segments) if sum(out_segments or [0]) else None,

@@ -264,13 +264,13 @@ class DockerCluster:
         self.setup_s = time.perf_counter() - started
 
     def _shape(self) -> None:
-        inter, intra = self.profile.inter_cluster, self.profile.intra_cluster
+        intra = self.profile.intra_cluster
         with IPRoute() as host:
             bridge = host.link_lookup(ifname=self.bridge_name())[0]
             for c, pid in enumerate(self._pids):
                 with NetNS(f"/proc/{pid}/ns/net", flags=0) as ns:
                     (eth,) = ns.get_links(ifname=UPLINK)
-                    self.applied_qdiscs += apply_link_spec(ns, UPLINK, inter, self.netem)
+                    self.applied_qdiscs += apply_link_spec(ns, UPLINK, self.profile.uplink(c), self.netem)
                     # Ranks of one cluster reach each other's uplink address over loopback: the intra link.
                     self.applied_qdiscs += apply_link_spec(ns, "lo", intra, self.netem, one_hop=True)
                 # The peer of the container's eth0 is the host-side end of its veth, on the run's bridge.
@@ -278,7 +278,7 @@ class DockerCluster:
                 if peer.get_attr("IFLA_MASTER") != bridge:
                     raise RuntimeError(f"{self.cluster_name(c)}'s veth peer is not on bridge {self.bridge_name()}")
                 self._downlinks.append(peer.get_attr("IFLA_IFNAME"))
-                self.applied_qdiscs += apply_link_spec(host, self._downlinks[c], inter, self.netem)
+                self.applied_qdiscs += apply_link_spec(host, self._downlinks[c], self.profile.downlink(c), self.netem)
 
     def kernel_qdiscs(self) -> list[dict]:
         """The qdiscs as the kernel reports them now, for environment.json."""

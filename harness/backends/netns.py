@@ -200,7 +200,7 @@ class NetnsCluster:
                     sw.link("set", index=down, state="up")
                 else:
                     sw.link("set", index=down, master=bridge, state="up")
-                self.applied_qdiscs += apply_link_spec(sw, self.downlink(c), inter, netem)
+                self.applied_qdiscs += apply_link_spec(sw, self.downlink(c), self.profile.downlink(c), netem)
         for c in range(self.topology.clusters):
             with NetNS(self.cluster_ns(c), flags=0) as ns:
                 ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
@@ -214,7 +214,7 @@ class NetnsCluster:
                     prefixlen=self.topology.prefix_len,
                 )
                 ns.link("set", index=up, state="up")
-                self.applied_qdiscs += apply_link_spec(ns, self.uplink(c), inter, netem)
+                self.applied_qdiscs += apply_link_spec(ns, self.uplink(c), self.profile.uplink(c), netem)
                 # Ranks of one cluster reach each other's uplink address over loopback: that is the intra link.
                 self.applied_qdiscs += apply_link_spec(ns, "lo", intra, netem, one_hop=True)
         if delay_line:

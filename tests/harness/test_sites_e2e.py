@@ -1,0 +1,38 @@
+"""A straggler site on real shaped links: its own rate on both ends of its veth, per-cluster figures in the
+summary, and a clean host after."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from harness.backends.netns import user_namespaces_work
+from tests.harness.e2e import SMALL_RUN, harness, run_marker, summary_of
+from tests.harness.hoststate import leftovers, snapshot
+
+pytestmark = pytest.mark.e2e
+
+if os.geteuid() != 0 and not user_namespaces_work():
+    pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)
+
+
+def test_one_slow_site_among_four(tmp_path):
+    before = snapshot()
+    out = tmp_path / "run"
+    result = harness(
+        "run", "--profile", "straggler-1gbps-one-site-100mbps", "--clusters", 4, "--method", "opendiloco",
+        "--local-steps", 5, "--steps", 15, *SMALL_RUN, "--out", out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = summary_of(out)
+    per_cluster = summary["per_cluster"]
+    assert [c["uplink_rate_bps"] for c in per_cluster] == [10**9, 10**9, 10**9, 10**8]
+    assert all(c["wire_bytes"] > 0 and c["comm_blocked_s"] >= 0 for c in per_cluster)
+    environment = json.loads((out / "environment.json").read_text())
+    rates = {q["dev"][-2:]: q["rate_bps"] for q in environment["kernel_qdiscs"] if q["kind"] == "tbf"}
+    assert rates == {"b0": 10**9, "b1": 10**9, "b2": 10**9, "b3": 10**8, "u0": 10**9, "u1": 10**9, "u2": 10**9,
+                     "u3": 10**8}  # fmt: skip
+    assert summary["link_conforms"] is True
+    assert leftovers(before, run_marker(out)) == {}
