@@ -160,6 +160,12 @@ class RunConfig:
                 f"{cfg.local_steps}): its throughput says little about communication; use more --steps or a "
                 "smaller --local-steps"
             )
+        ranks, cores = self.clusters * self.stages, os.cpu_count() or 1
+        if self.backend == "netns" and ranks > cores:
+            warnings.append(
+                f"{ranks} ranks share {cores} CPU cores (each computes at ~{cores / ranks:.0%} of a core): compute, "
+                "not the link, may set the pace, so compare methods at the same cluster count or use fewer --clusters"
+            )
         return warnings
 
     def to_dict(self) -> dict[str, Any]:
