@@ -316,6 +316,14 @@ def comparison(tables: RunTables, target_loss: float | None = None) -> pd.DataFr
                     value, how = ratio(runs, group[group["variant"] == reference], "tokens_per_s")
                 row.update(_spread_columns(name, value))
                 row[f"{name}_pairing"] = how
+            # Loss at equal applied tokens (every method applies every trained token by the end): the final
+            # validation loss over AllReduce's, paired per seed.
+            if variant == BASELINE:
+                loss_ratio, loss_how = Spread(1.0, len(runs)), "reference"
+            else:
+                loss_ratio, loss_how = ratio(runs, group[group["variant"] == BASELINE], "final_val_loss")
+            row.update(_spread_columns("loss_ratio_to_allreduce", loss_ratio))
+            row["loss_ratio_to_allreduce_pairing"] = loss_how
             # On a regime-matched link (harness/projection.py) the ratio that compares with the published one is
             # (1 + R_target) x utilisation: the ratio this machine would show were its R exactly the target's.
             target_r = pd.to_numeric(runs.get("regime_target_r"), errors="coerce")
@@ -426,6 +434,11 @@ def _count(value: float) -> str:
     return format(value, ",.0f")
 
 
+def _change(ratio: float) -> str:
+    """A ratio as a relative change: 1.048 -> '+4.8%'."""
+    return "-" if _nan(ratio) else f"{100 * (ratio - 1):+.3g}%"
+
+
 def _half_times(value: float) -> str:
     return f"{value:.2g}"
 
@@ -469,7 +482,7 @@ def _columns(trained: bool, target: bool) -> list[str]:
     return [
         "method", "n", "seeds", "applied tokens/s", *(["trained tokens/s"] if trained else []), "vs allreduce",
         "utilisation (vs local)", "compute util.", "wire B/token", "wire reduction", "final val loss",
-        *(["tokens to target", "time to target"] if target else []),
+        "val loss vs allreduce", *(["tokens to target", "time to target"] if target else []),
     ]  # fmt: skip
 
 
@@ -490,6 +503,9 @@ def _row(r: pd.Series, trained: bool, target: bool) -> list[str]:
         _num(r["wire_bytes_per_token"], ",.1f"),
         _times(r["wire_reduction"]),
         _spread_cell(r, "final_val_loss", _loss, _loss),
+        _ratio_cell(r, "loss_ratio_to_allreduce", _change, _half_percent)
+        if r["loss_ratio_to_allreduce_pairing"]
+        else "-",
     ]
     if target:
         partial = "" if r["reached"] in (0, r["runs"]) else f" ({r['reached']}/{r['runs']} runs)"
