@@ -38,20 +38,26 @@ def cluster_lifecycle(profile: Profile, clusters: int, stages: int, repeats: int
     }
 
 
-def delay_line_goodput(rate_bps: int | None, rtts_ms: list[float], seconds: float, repeats: int) -> list[dict]:
+def delay_line_goodput(
+    rate_bps: int | None, rtts_ms: list[float], seconds: float, repeats: int, loss_pct: float = 0.0
+) -> list[dict]:
     """One TCP stream between two clusters: without the delay line, then through it at each RTT; median goodput.
 
-    Each row also gives the bound a single stream's window sets at that RTT (the receiver's largest buffer, from
-    its namespace's net.ipv4.tcp_rmem, over the RTT): above it no link emulator can help, the window is the limit.
+    With `loss_pct` > 0 the delay line handles wire-sized packets (GSO capped, harness/delayline.py): a tiny loss
+    (0.0001%) measures its per-packet ceiling, a real one what TCP makes of it.
+
+    Each row also gives the bound a single stream's window sets at that RTT: the smaller of the sender's and the
+    receiver's largest socket buffers (net.ipv4.tcp_wmem and tcp_rmem as the clusters' namespaces see them) over
+    the RTT. Linux charges a buffer with its packets' overhead too, so a stream gets somewhat less than that.
     """
     from harness.linkprobe import tcp_goodput_bps
 
     rows = []
     for emulator, rtt_ms in [(None, 0.0), *(("userspace", rtt) for rtt in rtts_ms)]:
-        spec = LinkSpec(rate_bps=rate_bps, delay_ms=rtt_ms / 2)
+        spec = LinkSpec(rate_bps=rate_bps, delay_ms=rtt_ms / 2, loss_pct=loss_pct if emulator else 0.0)
         profile = Profile("bench-delayline", "", inter_cluster=spec)
         topology = Topology(2)
-        goodputs, rmem_max = [], None
+        goodputs, window = [], None
         for _ in range(repeats):
             run_key = "hx" + secrets.token_hex(3)
             backend = make_backend("netns", run_key, topology, profile, link_emulator=emulator)
@@ -59,7 +65,9 @@ def delay_line_goodput(rate_bps: int | None, rtts_ms: list[float], seconds: floa
                 try:
                     backend.up()
                     goodputs.append(tcp_goodput_bps(backend, topology, seconds))
-                    rmem_max = int(read_sysctl(backend.command_in(1), "net/ipv4/tcp_rmem").split()[-1])
+                    receive = int(read_sysctl(backend.command_in(1), "net/ipv4/tcp_rmem").split()[-1])
+                    send = int(read_sysctl(backend.command_in(0), "net/ipv4/tcp_wmem").split()[-1])
+                    window = min(receive, send)
                 finally:
                     backend.down()
         rows.append(
@@ -67,11 +75,12 @@ def delay_line_goodput(rate_bps: int | None, rtts_ms: list[float], seconds: floa
                 "emulator": emulator or "none",
                 "rate_bps": rate_bps,
                 "rtt_ms": rtt_ms,
+                "loss_pct": spec.loss_pct,
                 "goodput_bps": statistics.median(goodputs),
                 "goodput_min_bps": min(goodputs),
                 "goodput_max_bps": max(goodputs),
-                "tcp_rmem_max_bytes": rmem_max,
-                "window_bound_bps": rmem_max * 8 / (rtt_ms / 1000) if rtt_ms and rmem_max else None,
+                "window_bytes": window,
+                "window_bound_bps": window * 8 / (rtt_ms / 1000) if rtt_ms and window else None,
             }
         )
     return rows

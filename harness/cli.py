@@ -510,24 +510,27 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
 @click.option("--rtt-ms", default="0,40", show_default=True, help="Comma-separated RTTs through the delay line.")
 @click.option("--seconds", default=5.0, show_default=True, help="Measured seconds per stream (after 1 s of warmup).")
 @click.option("--repeats", default=3, show_default=True)
-def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int) -> None:
+@click.option("--loss", default="0%", show_default=True, help="Loss through the delay line (> 0: wire-sized packets).")
+def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int, loss: str) -> None:
     """Benchmark the userspace delay line: one TCP stream without it and through it at each RTT."""
     from harness.benchmarks import delay_line_goodput
-    from harness.profiles import parse_rate_bps
+    from harness.profiles import parse_loss_pct, parse_rate_bps
 
     rate_bps = None if rate == "none" else parse_rate_bps(rate)
+    loss_pct = parse_loss_pct(loss)
     rtts = [float(r) for r in _csv(rtt_ms)]
     _reexec_if_unprivileged()
-    table = Table("emulator", "rate", "RTT", "goodput (median, min-max)", "window bound")
-    for row in delay_line_goodput(rate_bps, rtts, seconds, repeats):
+    table = Table("emulator", "rate", "RTT", "loss", "goodput (median, min-max)", "window bound")
+    for row in delay_line_goodput(rate_bps, rtts, seconds, repeats, loss_pct):
         bound = row["window_bound_bps"]
         table.add_row(
             row["emulator"],
             format_rate(rate_bps) if rate_bps else "unshaped",
             f"{row['rtt_ms']:g} ms",
+            f"{row['loss_pct']:g}%",
             f"{format_rate(row['goodput_bps'])} ({format_rate(row['goodput_min_bps'])}-"
             f"{format_rate(row['goodput_max_bps'])}, n={repeats})",
-            f"{format_rate(bound)} (tcp_rmem max {row['tcp_rmem_max_bytes']:,} B)" if bound else "-",
+            f"{format_rate(bound)} (window {row['window_bytes']:,} B)" if bound else "-",
         )
     console.print(table)
 
