@@ -36,21 +36,26 @@ def test_methods_that_apply_every_step_count_every_step(method):
 
 
 @pytest.mark.parametrize(
-    ("method", "options"),
+    ("method", "options", "kept_without_final_sync"),
     [
-        ("opendiloco", {"local_steps": 10}),
-        ("dilocox", {"local_steps": 10, "adaptive": False}),
-        ("dilocox", {"local_steps": 10, "adaptive": False, "overlap": False}),
+        ("opendiloco", {"local_steps": 10}, 20),
+        ("dilocox", {"local_steps": 10, "adaptive": False, "overlap": "delayed"}, 20),
+        ("dilocox", {"local_steps": 10, "adaptive": False, "overlap": False}, 20),
+        # streaming (the default) sends each round tau = 1 step early: round 1 carries 9 steps, round 2 the 10
+        # since; the last round's lead step and the partial round are dropped.
+        ("dilocox", {"local_steps": 10, "adaptive": False}, 19),
     ],
 )
-def test_a_partial_last_round_is_synchronized_by_default_and_dropped_without_final_sync(method, options):
+def test_a_partial_last_round_is_synchronized_by_default_and_dropped_without_final_sync(
+    method, options, kept_without_final_sync
+):
     applied, _, model, synced = _train(method, options, 25)
     assert applied == 25
     # The final synchronized parameters are what the replica holds after finish(): nothing is left local.
     for p, g in zip(model.parameters(), synced.global_params, strict=True):
         assert torch.equal(p.detach().float(), g)
     dropped, _, _, _ = _train(method, {**options, "final_sync": False}, 25)
-    assert dropped == 20
+    assert dropped == kept_without_final_sync
 
 
 def test_the_overlapped_rounds_count_only_once_applied():
@@ -59,7 +64,8 @@ def test_the_overlapped_rounds_count_only_once_applied():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     ctx = MethodContext(list(model.named_parameters()), None, None, OPTIM, 25, seed=0)
-    method = build_method("dilocox", method_config("dilocox", {"local_steps": 10, "adaptive": False}), ctx)
+    options = {"local_steps": 10, "adaptive": False, "overlap": "delayed"}
+    method = build_method("dilocox", method_config("dilocox", options), ctx)
     for step in range(25):
         torch.nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
         method.step(step)

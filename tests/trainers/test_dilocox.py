@@ -102,7 +102,15 @@ def test_error_feedback_conserves_the_signal_over_rounds():
     model = torch.nn.Linear(24, 16)
     # final_sync off: the sum below counts the completed rounds, whose offsets the reports mark.
     cfg = DiLoCoXConfig(
-        local_steps=2, outer_lr=1.0, outer_momentum=0.0, rank=8, bits=2, min_rank=2, rank_window=2, final_sync=False
+        local_steps=2,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        rank=8,
+        bits=2,
+        min_rank=2,
+        rank_window=2,
+        final_sync=False,
+        overlap="delayed",
     )
     method = DiLoCoX(method_context(model, TOY_OPTIM, 40, None), cfg)
     theta_0 = clones(method.global_params)
@@ -172,7 +180,9 @@ def _delay_scenario(rank: int) -> dict:
     with torch.no_grad():
         model.weight.fill_(0.5)
         model.bias.fill_(0.25)
-    cfg = DiLoCoXConfig(local_steps=2, outer_lr=0.5, outer_momentum=0.0, compression=False, adaptive=False)
+    cfg = DiLoCoXConfig(
+        local_steps=2, outer_lr=0.5, outer_momentum=0.0, compression=False, adaptive=False, overlap="delayed"
+    )
     method = DiLoCoX(method_context(model, TOY_OPTIM, 4, dist.group.WORLD), cfg)
     out = {"theta_0": clones(method.global_params), "after": [], "local_after": [], "reports": []}
     for step in range(4):
@@ -199,7 +209,7 @@ def _train_scenario(rank: int) -> dict:
     model = DecoderLM(get_model_config("tiny"))
     batches = replica_batches(load_corpus(max_bytes=1 << 20), rank, WORLD, batch_size=8, seq_len=64, seed=0)
     ctx = method_context(model, OptimConfig(), steps, dist.group.WORLD)
-    method = build_method("dilocox", method_config("dilocox", {"local_steps": 10}), ctx)
+    method = build_method("dilocox", method_config("dilocox", {"local_steps": 10, "overlap": "delayed"}), ctx)
     losses, reports = [], {}
     for step in range(steps):
         inputs, targets = next(batches)

@@ -36,7 +36,15 @@ def test_the_old_switch_maps_to_modes(given, mode):
     assert DiLoCoXConfig(overlap=given).overlap == mode
     if given is not None:  # to method_config, None means "not set"
         assert method_config("dilocox", {"overlap": given}).overlap == mode
-    assert DiLoCoXConfig().overlap == "delayed"
+    assert DiLoCoXConfig().overlap == "streaming"
+
+
+def test_the_default_lead_is_a_tenth_of_the_round():
+    """tau = H_1 // 10 unless given: what the convergence study ran (5 at H = 50), and never a lead the round lacks."""
+    assert DiLoCoXConfig(local_steps=50).overlap_steps == 5
+    assert DiLoCoXConfig().overlap_steps == 12
+    assert DiLoCoXConfig(local_steps=5).overlap_steps == 0
+    assert DiLoCoXConfig(local_steps=50, overlap_steps=7).overlap_steps == 7
 
 
 @pytest.mark.parametrize(
@@ -57,7 +65,7 @@ def test_bad_overlap_settings_name_the_flag(options, message):
 
 
 def test_tau_is_checked_only_where_it_is_used():
-    assert DiLoCoXConfig(local_steps=2, overlap_steps=5).overlap == "delayed"
+    assert DiLoCoXConfig(overlap="delayed", local_steps=2, overlap_steps=5).overlap == "delayed"
     assert DiLoCoXConfig(overlap="streaming", local_steps=6, overlap_steps=5, merge_alpha=1.0).overlap_steps == 5
 
 
