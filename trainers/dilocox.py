@@ -26,8 +26,9 @@ Applying an average is one outer step on theta, Nesterov SGD with lr eta and mom
   none       blocking DiLoCo with compression: wait for Delta_t at the end of round t, theta_t = OuterSGD(theta_{t-1},
              Delta_t), every replica restarts from theta_t.
 
-  delayed    the paper's one-step-delay overlap (Algorithm 2), the default. At the end of round t the exchange of
-             round t starts, then the method waits for round t-1's, which ran behind round t's inner steps:
+  delayed    the paper's one-step-delay overlap (Algorithm 2; `--overlap delayed` is DiLoCoX as published). At the
+             end of round t the exchange of round t starts, then the method waits for round t-1's, which ran behind
+             round t's inner steps:
                  theta_t = OuterSGD(theta_{t-1}, Delta_{t-1}),   s_i = theta_t
              Round 1 has no average before it: theta_1 = theta_0, and round 2 restarts from theta_0, its round-1
              progress travelling as delta_1. Every update is exactly one round stale, and round t+1 starts from a
@@ -36,7 +37,8 @@ Applying an average is one outer step on theta, Nesterov SGD with lr eta and mom
              On one quadratic direction whose round contracts it by k (delta = k (s - theta*), 0 < k <= 1), the
              loop's worst spectral radius is 1.28 at eta 0.7, mu 0.9 (it diverges; the blocking loop's is 0.95),
              and it stays below 1 only for eta < 0.25 at mu 0.9, 0.56 at mu 0.5, 1 at mu 0 (blocking: > 1.3).
-             The defaults stay the paper's 0.7 / 0.9; the study of issue 11 chooses.
+             Measured (README, "DiLoCoX convergence"): at 0.7 / 0.9 it diverges; at 0.4 / 0.5, inside the region,
+             it converges but ends far above blocking DiLoCo, so it is not the default.
 
   eager      Eager updates (arXiv 2502.12996, "Eager Updates for Overlapped Communication and Computation in
              DiLoCo"): theta is committed as under `delayed`, momentum updated once, but the replica restarts from
@@ -50,7 +52,7 @@ Applying an average is one outer step on theta, Nesterov SGD with lr eta and mom
              already; on the committed theta, which holds it only inside Delta_{t-1}, the same point is the formula
              above (exactly so at mu = 0; with one replica and mu = 0 this is blocking DiLoCo). No extra bytes.
 
-  streaming  Streaming DiLoCo's overlap (arXiv 2501.18512; torchft local_sgd.py, fragment_sync_delay and
+  streaming  the default. Streaming DiLoCo's overlap (arXiv 2501.18512; torchft local_sgd.py, fragment_sync_delay and
              fragment_update_alpha): the exchange of round t starts tau = `--overlap-steps` inner steps before the
              round ends (delta from the weights of step H_t - tau), runs behind those tau steps, and is applied at
              the round's end, where the replica blends its weights with the new theta:
