@@ -145,7 +145,7 @@ def test_killed_harness_takes_its_workers_with_it(tmp_path):
 def test_tokens_per_second_count_only_the_tokens_in_the_final_model(tmp_path, final_sync, applied_steps):
     out = tmp_path / "run"
     result = harness(
-        "run", "--profile", "1gbps", "--method", "dilocox", "--local-steps", 8, "--steps", 20,
+        "run", "--profile", "1gbps", "--method", "dilocox", "--overlap", "delayed", "--local-steps", 8, "--steps", 20,
         "--throughput-warmup-steps", 2, final_sync, *SMALL_RUN, "--out", out,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
