@@ -742,16 +742,19 @@ def regime(target, out, seed, **flags):
 )
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Write the comparison as CSV.")
 @click.option("--parquet", "parquet_path", type=click.Path(path_type=Path), help="Write it as parquet (needs pyarrow).")
-@click.option("--tables", type=click.Path(path_type=Path), help="Write the tidy runs.csv and events.csv here.")
+@click.option(
+    "--tables", type=click.Path(path_type=Path), help="Write the tidy runs.csv, events.csv and sites.csv here."
+)
 def report(results, target_loss, csv_path, parquet_path, tables):
     """Compare runs (run folders, sweep folders, or folders of them) as a markdown table per profile.
 
     Per method: n (runs aggregated), then each figure as its mean ± the 95% interval (n >= 3), its range (n = 2), or
     "n=1, no spread"; applied (and, where different, trained) tokens/s, ratios to allreduce and local (paired per
     seed where both ran it), compute utilisation (tokens/s over the run's own compute ceiling), wire bytes, final
-    validation loss, and tokens and time to the target loss.
+    validation loss, and tokens and time to the target loss. Where sites differ in rate or there are more than two,
+    a per-site table follows: each site's wire bytes and the time its replica waited on the link.
     """
-    from harness.report import comparison, load_runs, markdown, write_csv, write_parquet, write_tables
+    from harness.report import comparison, load_runs, markdown, site_comparison, write_csv, write_parquet, write_tables
 
     loaded = load_runs(list(results))
     compared = comparison(loaded, target_loss)
@@ -762,7 +765,7 @@ def report(results, target_loss, csv_path, parquet_path, tables):
         written.append(write_parquet(compared, parquet_path))
     if tables:
         written += write_tables(loaded, tables)
-    click.echo(markdown(compared, loaded.runs))
+    click.echo(markdown(compared, loaded.runs, site_comparison(loaded)))
     for path in written:
         _print_text(f"wrote {path}")
 

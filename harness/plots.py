@@ -12,6 +12,9 @@
                         a right axis; the measured compression error^2 beside omega^2 (paper) and omega^2 (corrected),
                         dashed. Rank 0's events (cluster 0, stage 0), so each sync counts once; a variant's line is the
                         mean over its n runs per round, with a ± 1 std band over rounds that two runs or more reach
+    sites-<group>       per site and method: the time the site's replica waited on the link and the bytes its
+                        uplink carried, only for groups with sites of different rates or more than two sites (the
+                        report's per-site table), bars as the report's intervals
     rtt-<model>-<rate>  applied tokens/s per method against the link's round-trip time (the profile's), across the
                         profiles of one rate whose runs share model, cluster shape and steps; drawn where they span two
                         RTTs or more (a latency sweep), with the report's intervals
@@ -32,7 +35,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from harness.report import BASELINE, CEILING, GROUP_KEYS, RunTables, comparison, eval_curve
+from harness.report import BASELINE, CEILING, GROUP_KEYS, RunTables, comparison, eval_curve, site_comparison
 from harness.units import format_rate
 
 FORMATS = ("png", "svg")
@@ -360,10 +363,12 @@ def plot_all(tables: RunTables, out: Path) -> list[Path]:
     evals = eval_curve(tables.events)
     palette = _colors(list(dict.fromkeys(compared["variant"])))
     keys = [k for k, _ in ok.groupby(GROUP_KEYS, sort=True, dropna=False)]
+    sites = site_comparison(tables)
     written: list[Path] = []
     for key, group in ok.groupby(GROUP_KEYS, sort=True, dropna=False):
         slug = _slug(key, keys)
         group_compared = compared[(compared[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+        group_sites = sites[(sites[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
         colors = {v: palette[v] for v in group_compared["variant"]}
         written += _save(loss_figure(group, evals, colors), out, f"loss-{slug}")
         written += _save(throughput_figure(group, group_compared, colors), out, f"throughput-{slug}")
@@ -372,8 +377,43 @@ def plot_all(tables: RunTables, out: Path) -> list[Path]:
             rounds = sync_rounds(group, tables.events)
             if not rounds.empty:
                 written += _save(monitor_figure(group, rounds, colors), out, f"monitor-{slug}")
+        if not group_sites.empty:
+            written += _save(sites_figure(group, group_sites, colors), out, f"sites-{slug}")
     written += _rtt_figures(ok, compared, palette, out)
     return written
+
+
+def sites_figure(group: pd.DataFrame, sites: pd.DataFrame, colors: dict[str, str]) -> Figure:
+    """Grouped bars, one group per site (labelled with its uplink), one bar per method: waited seconds, wire MB."""
+    fig = Figure(figsize=(10, 5))
+    waited_ax, wire_ax = fig.subplots(1, 2)
+    clusters = sorted(sites["cluster"].unique())
+    variants = [v for v in colors if v in set(sites["variant"])]
+    width = 0.8 / max(1, len(variants))
+    for i, variant in enumerate(variants):
+        rows = sites[sites["variant"] == variant].set_index("cluster").reindex(clusters)
+        x = [c + (i - (len(variants) - 1) / 2) * width for c in range(len(clusters))]
+        below = (rows["waited_s"] - rows["waited_s_low"]).clip(lower=0.0).fillna(0.0)
+        above = (rows["waited_s_high"] - rows["waited_s"]).clip(lower=0.0).fillna(0.0)
+        n = int(rows["waited_s_n"].max())
+        waited_ax.bar(x, rows["waited_s"], width, yerr=[below.to_numpy(), above.to_numpy()], capsize=3,
+                      color=colors[variant], edgecolor="black", linewidth=0.5, label=f"{variant} (n={n})")  # fmt: skip
+        wire_ax.bar(x, rows["wire_bytes"] / 1e6, width, color=colors[variant], edgecolor="black", linewidth=0.5)
+    first = sites.drop_duplicates("cluster").set_index("cluster").reindex(clusters)
+    labels = [
+        f"site {c}\n{'unshaped' if pd.isna(r) else format_rate(r)}"
+        for c, r in zip(clusters, first["uplink_rate_bps"], strict=True)
+    ]
+    for ax, label in ((waited_ax, "time the replica waited on the link (s)"), (wire_ax, "wire bytes (MB)")):
+        ax.set_xticks(range(len(clusters)), labels)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    wire_ax.set_yscale("log")
+    waited_ax.legend(fontsize=8)
+    fig.suptitle(_title("Per site: waiting on the link and bytes sent (bars: 95% interval n ≥ 3, range n = 2)", group),
+                 fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return fig
 
 
 # Runs that differ only in their link's round-trip time: same model, cluster shape, steps and rate.

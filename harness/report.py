@@ -7,6 +7,8 @@ report the same; paths are kept relative to the folder the user named:
             compute ceiling and `compute_utilisation` (below)
     events  one row per step or eval event of every rank, with `elapsed_s`: training wall-clock since the first step
             started, evaluation time left out (evaluation is identical for all methods and not training)
+    sites   one row per run and cluster: the summary's `per_cluster` (the site's uplink and downlink rates, the wire
+            bytes its uplink carried, and `comm_blocked_s`, the time its replica waited on the link)
 
 The comparison groups runs that are comparable (same profile, model, cluster shape and step count) and, per variant,
 aggregates its n runs (seeds, and repeats of a seed). Every aggregate says what it rests on: the mean, then
@@ -28,12 +30,16 @@ n >= 3, the range (min-max) when n = 2, and "n=1, no spread" when n = 1.
   the group's AllReduce final validation loss (mean over its runs) x 1.05: "within 5% of AllReduce's loss". A run
   that never gets there is "not reached". A group without AllReduce has no default target: pass --target-loss, or
   those columns are not computed.
+- Where sites differ (a profile's `sites`) or there are more than two, a per-site table follows each group's: per
+  method and site, the wire bytes the site's uplink carried and the time its replica waited on the link, mean and
+  spread over the method's runs as above: a straggler shows as the site everyone else waits for.
 - A variant whose runs crossed the slow link fewer than harness.config.MIN_SYNCS (3) times is marked: its
   throughput says little about communication.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -85,6 +91,7 @@ class ReportError(UserError):
 class RunTables:
     runs: pd.DataFrame
     events: pd.DataFrame
+    sites: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
 
 
 def variant_of(method: str, options: dict) -> str:
@@ -168,9 +175,10 @@ def _ceiling_columns(summary: dict, rank_events: Mapping[int, list[dict]]) -> di
 
 
 def load_runs(paths: Sequence[Path]) -> RunTables:
-    runs, events = [], []
+    runs, events, sites = [], [], []
     for run_dir, relative in find_run_dirs(paths):
         summary = json.loads((run_dir / "summary.json").read_text())
+        sites += [{"run_id": summary["run_id"], **site} for site in summary.get("per_cluster") or []]
         row = {key: summary.get(key) for key in _SUMMARY_SCALARS}
         options = summary.get("method_options") or {}
         row.update(variant=variant_of(summary["method"], options), options=json.dumps(options), path=relative)
@@ -188,7 +196,38 @@ def load_runs(paths: Sequence[Path]) -> RunTables:
     if not event_table.empty:
         labels = runs_table[["run_id", "method", "variant", "profile", "model", "seed", "stages"]]
         event_table = event_table.merge(labels, on="run_id", how="left")
-    return RunTables(runs_table, event_table)
+    return RunTables(runs_table, event_table, pd.DataFrame(sites))
+
+
+def site_comparison(tables: RunTables) -> pd.DataFrame:
+    """One row per (comparable group, variant, site) of the successful runs, in groups with sites of different rates
+    or more than two sites (module doc): the site's rates, its uplink's wire bytes (mean) and the time its replica
+    waited on the link (`waited_s`, with its spread)."""
+    columns = [*GROUP_KEYS, "variant", "cluster", "uplink_rate_bps", "downlink_rate_bps", "wire_bytes",
+               "waited_s", "waited_s_low", "waited_s_high", "waited_s_n"]  # fmt: skip
+    if tables.sites.empty or tables.runs.empty:
+        return pd.DataFrame(columns=columns)
+    ok = tables.runs[tables.runs["status"] == "ok"][["run_id", *GROUP_KEYS, "variant"]]
+    sites = tables.sites.merge(ok, on="run_id")
+    rows = []
+    for key, group in sites.groupby(GROUP_KEYS, sort=True, dropna=False):
+        rates = group[["uplink_rate_bps", "downlink_rate_bps"]].astype(float).fillna(-1.0)
+        if group["cluster"].nunique() <= 2 and len(rates.drop_duplicates()) <= 1:
+            continue
+        for (variant, cluster), runs in group.groupby(["variant", "cluster"], sort=True):
+            waited = spread(runs["comm_blocked_s"])
+            rows.append(
+                {
+                    **dict(zip(GROUP_KEYS, key, strict=True)),
+                    "variant": variant,
+                    "cluster": int(cluster),
+                    "uplink_rate_bps": runs["uplink_rate_bps"].iloc[0],
+                    "downlink_rate_bps": runs["downlink_rate_bps"].iloc[0],
+                    "wire_bytes": pd.to_numeric(runs["wire_bytes"], errors="coerce").mean(),
+                    **_spread_columns("waited_s", waited),
+                }
+            )
+    return pd.DataFrame(rows, columns=columns)
 
 
 def eval_curve(events: pd.DataFrame) -> pd.DataFrame:
@@ -551,8 +590,33 @@ def _regime_table(group: pd.DataFrame) -> str:
     )
 
 
-def markdown(table: pd.DataFrame, runs: pd.DataFrame) -> str:
-    """The comparison as markdown: a legend, one section per comparable group, then the failed runs."""
+def _site_table(sites: pd.DataFrame) -> str:
+    """Per method and site: its uplink, the bytes it carried and how long its replica waited on the link."""
+    rows = [
+        [
+            r["variant"],
+            str(r["cluster"]),
+            _link(r["uplink_rate_bps"]) + ("" if _same_rate(r) else f" up, {_link(r['downlink_rate_bps'])} down"),
+            _num(r["wire_bytes"] / 1e6, ",.1f"),
+            _spread_cell(r, "waited_s", lambda v: f"{v:,.2f} s", lambda v: f"{v:,.2f}"),
+        ]
+        for _, r in sites.iterrows()
+    ]
+    return (
+        "Per site: the bytes each site's uplink carried and the time its replica waited on the link (blocked in "
+        "communication), per method.\n\n"
+        + markdown_table(["method", "site", "link", "wire MB", "waited"], rows, text_columns=3)
+    )
+
+
+def _same_rate(r: pd.Series) -> bool:
+    up, down = r["uplink_rate_bps"], r["downlink_rate_bps"]
+    return (_nan(up) and _nan(down)) or up == down
+
+
+def markdown(table: pd.DataFrame, runs: pd.DataFrame, sites: pd.DataFrame | None = None) -> str:
+    """The comparison as markdown: a legend, one section per comparable group (with its per-site table where
+    `sites`, from site_comparison, has rows for it), then the failed runs."""
     parts = [LEGEND + "\n"]
     for key, group in table.groupby(GROUP_KEYS, sort=True, dropna=False):
         profile, model, clusters, stages, steps = key
@@ -578,6 +642,10 @@ def markdown(table: pd.DataFrame, runs: pd.DataFrame) -> str:
                 "above 1.02: their bytes ran ahead of rate x window + burst); their throughput is not a rate-true "
                 "measurement."
             )
+        if sites is not None and not sites.empty:
+            mine = sites[(sites[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+            if not mine.empty:
+                text += "\n\n" + _site_table(mine)
         parts.append(text + "\n")
     failed = runs[runs["status"] != "ok"]
     if not failed.empty:
@@ -616,5 +684,9 @@ def write_parquet(table: pd.DataFrame, path: Path) -> Path:
 
 
 def write_tables(tables: RunTables, folder: Path) -> list[Path]:
-    """The tidy tables as folder/runs.csv and folder/events.csv."""
-    return [write_csv(tables.runs, folder / "runs.csv"), write_csv(tables.events, folder / "events.csv")]
+    """The tidy tables as folder/runs.csv, folder/events.csv and folder/sites.csv."""
+    return [
+        write_csv(tables.runs, folder / "runs.csv"),
+        write_csv(tables.events, folder / "events.csv"),
+        write_csv(tables.sites, folder / "sites.csv"),
+    ]

@@ -196,3 +196,18 @@ def test_rtt_figure_for_runs_that_differ_only_in_round_trip_time(tmp_path):
     ((_, rows, _),) = rtt_families(tables.runs[tables.runs["status"] == "ok"], comparison(tables))
     assert rows["rtt_ms"].tolist() == [0.0, 40.0]
     assert rows["tokens_per_s"].round().tolist() == [900.0, 300.0]
+
+
+def test_sites_figure_only_for_groups_with_uneven_sites(results, tmp_path):
+    root = tmp_path / "straggler"
+    for seed in (0, 1):
+        write_run(root, f"ar-{seed}", "allreduce", profile="straggler-1gbps-one-site-100mbps", seed=seed,
+                  options={"clusters": 4})  # fmt: skip
+    written = plot_all(load_runs([root, results]), tmp_path / "figures")
+    sites = sorted(p.name for p in written if p.name.startswith("sites-"))
+    assert sites == [
+        "sites-straggler-1gbps-one-site-100mbps-tiny.png",
+        "sites-straggler-1gbps-one-site-100mbps-tiny.svg",
+    ]
+    svg = (tmp_path / "figures" / sites[1]).read_text()
+    assert "100 Mbit/s" in svg and "allreduce (n=2)" in svg

@@ -290,3 +290,41 @@ def test_a_regime_matched_group_shows_the_ratio_normalized_to_the_target(tmp_pat
     assert dilocox["normalized_ratio"] == pytest.approx(358.5 * 0.5)
     text = markdown(table, tables.runs)
     assert "(1 + 357.5) x utilisation" in text and "179x" in text and "358.5x (by definition)" in text
+
+
+def _straggler_runs(root, method: str, waits_by_seed: dict[int, list[float]]) -> None:
+    """4-site runs on the straggler profile whose per-site waiting times are set by the test."""
+    import json
+
+    for seed, waits in waits_by_seed.items():
+        run = write_run(root, f"{method}-s{seed}", method, profile="straggler-1gbps-one-site-100mbps", seed=seed,
+                        options={"clusters": 4})  # fmt: skip
+        summary = json.loads((run / "summary.json").read_text())
+        for site, waited in zip(summary["per_cluster"], waits, strict=True):
+            site["comm_blocked_s"] = waited
+        (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_per_site_table_for_uneven_sites_only(results, tmp_path):
+    root = tmp_path / "straggler"
+    _straggler_runs(root, "allreduce", {0: [3.0, 3.0, 3.0, 1.0], 1: [5.0, 5.0, 5.0, 1.0], 2: [4.0, 4.0, 4.0, 1.0]})
+    tables = load_runs([root, results])
+    sites = report.site_comparison(tables)
+    # The 2-site groups on one rate (the `results` fixture) have no per-site rows.
+    assert set(sites["profile"]) == {"straggler-1gbps-one-site-100mbps"}
+    assert sites["cluster"].tolist() == [0, 1, 2, 3]
+    assert sites["uplink_rate_bps"].tolist() == [1e9, 1e9, 1e9, 1e8]
+    site0 = sites.iloc[0]
+    assert site0["waited_s"] == pytest.approx(4.0) and site0["waited_s_n"] == 3
+    half = report.t_quantile_975(2) * 1.0 / math.sqrt(3)  # values 3, 5, 4: sample std 1
+    assert (site0["waited_s_low"], site0["waited_s_high"]) == pytest.approx((4.0 - half, 4.0 + half))
+    text = markdown(comparison(tables), tables.runs, sites)
+    section = text[text.index("### straggler-1gbps-one-site-100mbps") :]
+    assert "Per site:" in section and "Per site:" not in text[: text.index("### straggler")]
+    per_site = section[section.index("Per site:") :]
+    line = next(x for x in per_site.splitlines() if x.startswith("| allreduce") and "| 3 " in x)
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    assert cells[2] == "100 Mbit/s" and cells[4] == "1.00 s ± 0.00"
+    out = CliRunner().invoke(main, ["report", str(root), "--tables", str(tmp_path / "t")])
+    assert out.exit_code == 0 and "Per site:" in out.output, out.output
+    assert len(pd.read_csv(tmp_path / "t" / "sites.csv")) == 12
