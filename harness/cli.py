@@ -770,6 +770,105 @@ def report(results, target_loss, csv_path, parquet_path, tables):
         _print_text(f"wrote {path}")
 
 
+@main.command(cls=_WithMethodOptions)
+@click.option("--method", default="dilocox", show_default=True, help=f"One of: {', '.join(method_names())}.")
+@click.option(
+    "--model", default="tiny", show_default=True, help="Any known model, e.g. tiny, small, opt-1.3b, qwen1.5-107b."
+)
+@click.option("--profile", default="1gbps", show_default=True, help="Profile name or path: the link's rate and RTT.")
+@click.option("--clusters", default=2, show_default=True, help="Sites.")
+@click.option("--batch-size", type=int, help=f"Sequences per site per step [default: {TrainConfig.batch_size}].")
+@click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context].")
+@click.option(
+    "--compute-from",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Runs (folders of runs) of this method on this machine to measure compute from, scaled by FLOPs to the "
+    "model and batch (repeatable).",
+)
+@click.option("--compute-s", type=float, help="Seconds per step of compute, given.")
+@click.option("--accelerator-tflops", type=float, help="Peak TFLOP/s of one accelerator in the training dtype.")
+@click.option("--accelerators-per-site", type=int, help="Accelerators per site (with --accelerator-tflops).")
+@click.option("--mfu", type=float, help="Model FLOPs utilisation the accelerators reach (with --accelerator-tflops).")
+@click.option(
+    "--efficiency",
+    type=float,
+    default=None,
+    help="Payload share of the link rate TCP reaches [default: 0.94, measured by harness calibrate].",
+)
+@click.option("--window-bytes", type=int, help="Bytes TCP keeps in flight [default: 2/3 of tcp_wmem's maximum].")
+@click.option(
+    "--validate",
+    "validate_results",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Instead: predict every method and profile of these runs, with compute from --compute-from's runs of the "
+    "same settings (on an unshaped link), and print predicted vs measured (repeatable).",
+)
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="--validate: write the table as CSV.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the prediction (or table) as JSON.")
+def project(
+    method, model, profile, clusters, batch_size, seq_len, compute_from, compute_s, accelerator_tflops,
+    accelerators_per_site, mfu, efficiency, window_bytes, validate_results, csv_path, json_path, **options,
+):  # fmt: skip
+    """Predict tokens/s and wire bytes per token from measured compute, a link model and the method's schedule.
+
+    The model (harness/perfmodel.py): a step takes its compute plus the part of each exchange that the compute
+    beside it does not hide; an exchange's time is its bytes over min(efficiency x the slowest site's rate, TCP
+    window / RTT) plus one RTT per ring step. Compute comes from --compute-from (this machine, scaled by FLOPs),
+    --compute-s, or a target accelerator (--accelerator-tflops, --accelerators-per-site, --mfu).
+    """
+    import json
+
+    from harness import perfmodel
+    from harness.report import markdown_table
+
+    if validate_results:
+        if not compute_from:
+            raise click.UsageError("--validate needs --compute-from: runs of the same settings on an unshaped link")
+        rows = perfmodel.validate(list(validate_results), list(compute_from))
+        header = ["model", "profile", "method", "n", "measured tokens/s", "predicted", "error"]
+        cells = [
+            [r["model"], r["profile"], r["method"], str(r["n"]),
+             f"{r['measured_tokens_per_s']:,.0f} ({r['measured_min']:,.0f}-{r['measured_max']:,.0f})",
+             f"{r['predicted_tokens_per_s']:,.0f}", f"{r['error']:+.1%}"]
+            for r in rows
+        ]  # fmt: skip
+        click.echo(markdown_table(header, cells, text_columns=3))
+        worst = max(rows, key=lambda r: abs(r["error"]))
+        within = sum(abs(r["error"]) <= perfmodel.VALIDATION_TOLERANCE for r in rows)
+        click.echo(
+            f"\n{within} of {len(rows)} within {perfmodel.VALIDATION_TOLERANCE:.0%}; largest error "
+            f"{worst['error']:+.1%} ({worst['method']} on {worst['profile']}, model {worst['model']})"
+        )
+        if csv_path:
+            import pandas as pd
+
+            from harness.report import write_csv
+
+            _print_text(f"wrote {write_csv(pd.DataFrame(rows), csv_path)}")
+        if json_path:
+            Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
+            _print_text(f"wrote {json_path}")
+        return
+    accelerator = None
+    if accelerator_tflops is not None or accelerators_per_site is not None or mfu is not None:
+        if None in (accelerator_tflops, accelerators_per_site, mfu):
+            raise click.UsageError("--accelerator-tflops, --accelerators-per-site and --mfu go together")
+        accelerator = perfmodel.Accelerator(accelerator_tflops, accelerators_per_site, mfu)
+    settings = {"batch_size": batch_size, "seq_len": seq_len, **options}
+    prediction = perfmodel.project(
+        method, model, profile, clusters, settings, list(compute_from), compute_s, accelerator,
+        perfmodel.DEFAULT_EFFICIENCY if efficiency is None else efficiency, window_bytes,
+    )  # fmt: skip
+    for line in prediction.describe():
+        _print_text(line)
+    _print_text("assumptions: " + "; ".join(perfmodel.ASSUMPTIONS))
+    if json_path:
+        Path(json_path).write_text(json.dumps(prediction.record(), indent=2) + "\n")
+        _print_text(f"wrote {json_path}")
+
+
 @main.command()
 @click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="Figure folder [default: RESULTS/figures].")
