@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from harness.config import RunConfig
+from harness.config import RunConfig, check_finite_options, check_method_options
 from harness.errors import UserError
 from harness.events import read_events
 from harness.profiles import Profile
@@ -61,6 +61,7 @@ MSS_BYTES = 1448  # a 1500-byte MTU less IP and TCP headers with timestamps
 VALIDATION_TOLERANCE = 0.15
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 GRADIENT_BYTES = 4  # AllReduce reduces fp32 gradients
+RANK_ESTIMATE_BYTES = 16
 
 
 class ProjectionError(UserError):
@@ -187,6 +188,9 @@ def schedule(method: str, options: dict[str, Any], model: str, n: int, link: Lin
             compressor = LowRankQuantizeCompressor(cfg.rank, cfg.bits, cfg.bucket_size)
             per_site = sum(compressor.payload_nbytes(shape) for shape in parameter_shapes(model))
             payload, exchange_s = allgather_payload_bytes(per_site, n), link.allgather_s(per_site, n)
+        if cfg.adaptive:
+            # The rank estimate's all-reduce beside each exchange: two float64 (trainers/dilocox.py, _rank_totals).
+            payload += allreduce_payload_bytes(RANK_ESTIMATE_BYTES, n)
         return Schedule(
             payload, exchange_s, cfg.local_steps, hidden[cfg.overlap],
             first_exchange_extra_s=link.slow_start_extra_s(payload),
@@ -468,7 +472,15 @@ def project(
     method's options), checked as a run would check them, so a projection is of a run that could be made."""
     config = RunConfig.build(method, profile, clusters=clusters, model=model, **settings)
     config.profile.check_sites(clusters)
-    method_config(method, config.method_options)
+    if method not in ("allreduce", "opendiloco", "cocktail", "dilocox"):
+        raise ProjectionError(f"harness project models allreduce, opendiloco, cocktail and dilocox, not {method!r}")
+    check_method_options(method, config.method_options)
+    check_finite_options(config.method_options)
+    try:
+        config.train.validate()
+        get_model_config(config.train.model)
+    except ValueError as err:
+        raise ProjectionError(str(err)) from None
     if not 0 < efficiency <= 1:
         raise ProjectionError(f"--efficiency must be in (0, 1], got {efficiency}")
     if window_bytes is not None and window_bytes < 1:
