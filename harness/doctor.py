@@ -104,6 +104,12 @@ def diagnose() -> list[Check]:
             "faster profiles are refused: the CPU, not the qdisc, would set the rate",
         ),
         Check(
+            "cluster ceiling",
+            True,
+            f"{os.cpu_count()} ranks (clusters x stages) on {os.cpu_count()} cores",
+            "beyond it ranks share cores and compute, not the link, may set the pace; runs warn before they start",
+        ),
+        Check(
             "docker",
             docker_ok,
             docker_detail,

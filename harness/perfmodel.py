@@ -5,9 +5,9 @@
     its throughput warm-up of step_s - sync_blocked_s on rank 0, from a run of the same method and settings (on an
     unshaped link, where waiting is short, it is measured apart from it). For a model this machine cannot train, from
     a target accelerator: 6 N tokens per site per step / (accelerators x peak FLOP/s x MFU).
-(b) the link: the slowest site's rate (min of every site's uplink and downlink), the profile's round-trip time, and
-    what TCP gets out of them: goodput = min(efficiency x rate, window / RTT). A ring collective pays one RTT per
-    ring step on top of its bytes (gloo hands each chunk over with a round trip):
+(b) the link: the slowest site's rate (min of every site's uplink and downlink), the longest round trip between two
+    sites, and what TCP gets out of them: goodput = min(efficiency x rate, window / RTT). A ring collective pays one
+    RTT per ring step on top of its bytes (gloo hands each chunk over with a round trip):
         all-reduce of B bytes over n sites    2(n-1)/n B / goodput + 2(n-1) RTT
         all-gather of p bytes from each site  (n-1) p / goodput + (n-1) RTT
 (c) the schedule: the bytes each exchange sends (from the method's own compressor and its settings: H, r, q), how
@@ -87,7 +87,9 @@ class LinkModel:
     def of(cls, profile: Profile, clusters: int, **kwargs: Any) -> LinkModel:
         rates = [r for c in range(clusters) for r in (profile.uplink(c).rate_bps, profile.downlink(c).rate_bps)]
         shaped = [r for r in rates if r is not None]
-        return cls(min(shaped) if shaped else None, profile.inter_cluster.rtt_ms / 1000, **kwargs)
+        # A ring waits for its slowest hop: the longest round trip between two sites.
+        rtt_ms = max((profile.path(a, b).rtt_ms for a in range(clusters) for b in range(a + 1, clusters)), default=0.0)
+        return cls(min(shaped) if shaped else None, rtt_ms / 1000, **kwargs)
 
     @property
     def goodput_bps(self) -> float:

@@ -22,6 +22,12 @@ profile's one-way values: ``hop_delay_ms`` = delay / 2, ``hop_jitter_ms`` = jitt
 that two hops lose the profile's one-way loss (1 - (1 - hop)^2 = loss). The backends apply the hop values; nobody
 else should halve anything. harness/tcconfig.py, for real hosts, exports the full one-way values instead (each site
 shapes its own egress once).
+
+A profile's ``sites`` give single sites an access link of their own: ``rate`` (or ``up``/``down``), and ``delay``,
+``jitter``, ``loss`` for that site's hop alone (one-way, each direction). The path between two sites then adds
+their two hops: a site with ``delay: 80ms`` on a profile with ``delay: 20ms`` is 80 + 10 ms one-way from every
+other site. A site's LinkSpec holds path figures like every LinkSpec (``hop_*`` halves them), so it stores twice its
+hop's delay and jitter and the loss whose hop share is the site's; ``Profile.path`` composes two sites' hops.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ _LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss", "reorder"}
 MAX_DELAY_MS = 2000.0
 _PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster", "sites"}
 # A site's own access link: its rate in both directions, or up (from the site) and down (to it) apart.
-_SITE_KEYS = {"rate", "up", "down", "burst", "latency"}
+_SITE_KEYS = {"rate", "up", "down", "burst", "latency", "delay", "jitter", "loss"}
 
 
 class ProfileError(UserError):
@@ -243,7 +249,8 @@ def check_burst(rate_bps: int | None, burst_bytes: int, shown: str, where: str =
 @dataclass(frozen=True)
 class SiteLink:
     """One site's own access link where it differs from the profile's inter_cluster link: `up` shapes what the
-    site sends, `down` what it receives. Delay, jitter and loss stay the inter_cluster link's."""
+    site sends, `down` what it receives. Its delay, jitter and loss are its hop's (module doc), the inter_cluster
+    link's half where the site sets none."""
 
     up: LinkSpec
     down: LinkSpec
@@ -254,10 +261,7 @@ class SiteLink:
             raise ProfileError(f"{where} must be a mapping of {sorted(_SITE_KEYS)}, e.g. {{rate: 100mbit}}")
         unknown = set(data) - _SITE_KEYS
         if unknown:
-            raise ProfileError(
-                f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_SITE_KEYS)} (a site's delay and loss "
-                "are the inter_cluster link's)"
-            )
+            raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_SITE_KEYS)}")
         if "rate" in data and ({"up", "down"} & set(data)):
             raise ProfileError(f"{where} gives rate and up/down; give rate (both directions) or up and down")
         rate = parse_rate_bps(data["rate"]) if "rate" in data else default.rate_bps
@@ -268,6 +272,15 @@ class SiteLink:
             shape["burst_bytes"] = parse_size_bytes(data["burst"])
         if "latency" in data:
             shape["latency_ms"] = parse_time_ms(data["latency"])
+        # The site's own hop, stored as path figures (module doc): twice the delay and jitter, and the loss of which
+        # one hop loses the site's.
+        if "delay" in data:
+            shape["delay_ms"] = 2 * parse_time_ms(data["delay"], "delay")
+        if "jitter" in data:
+            shape["jitter_ms"] = 2 * parse_time_ms(data["jitter"], "jitter")
+        if "loss" in data:
+            hop_loss = parse_loss_pct(data["loss"]) / 100
+            shape["loss_pct"] = 100 * (1 - (1 - hop_loss) ** 2)
 
         def link(rate_bps: int | None) -> LinkSpec:
             # The burst follows the site's rate unless the site sets one.
@@ -275,7 +288,9 @@ class SiteLink:
             check_burst(rate_bps, spec.burst_bytes, f"{spec.burst_bytes}b", f"{where}: ")
             return spec
 
-        return cls(up=link(up), down=link(down))
+        site = cls(up=link(up), down=link(down))
+        site.up.check(where)
+        return site
 
     def to_dict(self) -> dict:
         return {"up": self.up.__dict__, "down": self.down.__dict__}
@@ -293,7 +308,22 @@ class Profile:
 
     @property
     def needs_netem(self) -> bool:
-        return self.inter_cluster.needs_netem or self.intra_cluster.needs_netem
+        sites = any(link.up.needs_netem for link in self.sites.values())
+        return self.inter_cluster.needs_netem or self.intra_cluster.needs_netem or sites
+
+    def path(self, a: int, b: int) -> LinkSpec:
+        """The path between sites a and b as one LinkSpec: the slower rate, and the two hops' delay, jitter and loss
+        added (losses composed). Without sites, the inter_cluster link itself."""
+        hop_a, hop_b = self.uplink(a), self.uplink(b)
+        rates = [r for r in (hop_a.rate_bps, self.downlink(b).rate_bps) if r is not None]
+        return dataclasses.replace(
+            self.inter_cluster,
+            rate_bps=min(rates) if rates else None,
+            burst_bytes=None,
+            delay_ms=hop_a.hop_delay_ms + hop_b.hop_delay_ms,
+            jitter_ms=hop_a.hop_jitter_ms + hop_b.hop_jitter_ms,
+            loss_pct=100 * (1 - (1 - hop_a.hop_loss_pct / 100) * (1 - hop_b.hop_loss_pct / 100)),
+        )
 
     def uplink(self, cluster: int) -> LinkSpec:
         """What shapes the traffic cluster `cluster` sends onto the inter-cluster link."""
@@ -309,7 +339,15 @@ class Profile:
         for site, link in sorted(self.sites.items()):
             up = format_rate(link.up.rate_bps) if link.up.rate_bps else "unshaped"
             down = format_rate(link.down.rate_bps) if link.down.rate_bps else "unshaped"
-            lines.append(f"  except site {site}:  --[up {up}]--> switch --[down {down}]--> site {site}")
+            hop = link.up
+            extra = "".join(
+                [
+                    f", its hop {hop.hop_delay_ms:g} ms one-way" if hop.delay_ms else "",
+                    f" +- {hop.hop_jitter_ms:g} ms" if hop.jitter_ms else "",
+                    f", loss {hop.hop_loss_pct:.3g}%" if hop.loss_pct else "",
+                ]
+            )
+            lines.append(f"  except site {site}:  --[up {up}]--> switch --[down {down}]--> site {site}{extra}")
         return lines
 
     def check_sites(self, clusters: int) -> None:

@@ -207,7 +207,7 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
             signals.check()
             record["cluster_setup_s"] = cluster.setup_s
             if emulator and config.backend == "netns" and topology.clusters > 1:
-                record.update(check_link(cluster, topology, config.profile.inter_cluster, run_dir / "link_check.json"))
+                record.update(check_link(cluster, topology, config.profile.path(0, 1), run_dir / "link_check.json"))
                 signals.check()
             qdiscs = cluster.kernel_qdiscs()
             wire = _WireMeter(cluster)

@@ -181,7 +181,7 @@ class NetnsCluster:
 
     def up(self) -> None:
         started = time.perf_counter()
-        inter, intra = self.profile.inter_cluster, self.profile.intra_cluster
+        intra = self.profile.intra_cluster
         netem = self.link_emulator == "netem"
         delay_line = self.link_emulator == "userspace"
         self._create_ns(self.switch_ns)
@@ -205,7 +205,7 @@ class NetnsCluster:
             with NetNS(self.cluster_ns(c), flags=0) as ns:
                 ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
                 up = ns.link_lookup(ifname=self.uplink(c))[0]
-                if delay_line and inter.loss_pct > 0:
+                if delay_line and any(self.profile.uplink(k).loss_pct > 0 for k in range(self.topology.clusters)):
                     ns.link("set", index=up, gso_max_segs=1, gso_max_size=GSO_WIRE_BYTES)
                 ns.addr(
                     "add",
@@ -227,7 +227,8 @@ class NetnsCluster:
         self.setup_s = time.perf_counter() - started
 
     def _start_delay_line(self, cluster: int) -> None:
-        spec = self.profile.inter_cluster
+        # The cluster's own hop: the inter_cluster link's half, or the site's (harness/profiles.py).
+        spec = self.profile.uplink(cluster)
         argv = [
             sys.executable, "-m", "harness.delayline", "--run-key", self.key,
             "--veth", self.downlink(cluster), "--tap", self.tap(cluster),

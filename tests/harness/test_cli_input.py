@@ -348,7 +348,7 @@ def test_doctor(harness_cli):
     result, _, _ = harness_cli(["doctor"])
     assert result.exit_code == 0, result.output
     text = click.unstyle(result.output)
-    for check in ("privileges", "tbf", "netem", "rate ceiling"):
+    for check in ("privileges", "tbf", "netem", "rate ceiling", "cluster ceiling"):
         assert re.search(rf"^\W*{check}\s+\W*(yes|no)\b", text, re.MULTILINE), f"no {check} line:\n{text}"
     assert "3 Gbit/s (2 cores)" in flat(text)
 

@@ -42,13 +42,33 @@ def test_the_shipped_straggler_profile():
         ("  1: {rate: 1gbit, up: 1gbit}\n", "give rate (both directions) or up and down"),
         ("  one: {rate: 1gbit}\n", "must map site numbers"),
         ("  1: {}\n", "must be a mapping"),
-        ("  1: {delay: 10ms}\n", "delay and loss are the inter_cluster link's"),
+        ("  1: {delay: -10ms}\n", "must not be negative"),
+        ("  1: {delay: 10ms, jitter: 20ms}\n", "larger than the delay"),
+        ("  1: {loss: 100%}\n", "must be a percentage in [0, 100)"),
         ("  1: {rate: fast}\n", "rate 'fast' is not understood"),
     ],
 )
 def test_bad_sites_are_refused_naming_the_fix(tmp_path, sites, message):
     with pytest.raises(ProfileError, match=re.escape(message)):
         load_profile(write(tmp_path, "inter_cluster: {rate: 1gbit}\nsites:\n" + sites))
+
+
+def test_a_sites_own_delay_and_loss_are_its_hop_and_paths_add_both_hops(tmp_path):
+    """A site 80 ms away on a profile of 20 ms: its hop 80 ms, the others' 10 ms; losses compose over the path."""
+    p = load_profile(
+        write(tmp_path, "inter_cluster: {rate: 1gbit, delay: 20ms}\nsites:\n  2: {delay: 80ms, loss: 1%}\n")
+    )
+    assert p.needs_netem
+    assert p.uplink(2).hop_delay_ms == pytest.approx(80) and p.uplink(2).hop_loss_pct == pytest.approx(1)
+    assert p.uplink(0).hop_delay_ms == pytest.approx(10)
+    assert p.path(0, 1).delay_ms == pytest.approx(20) and p.path(0, 1).loss_pct == 0
+    assert p.path(0, 2).rtt_ms == pytest.approx(180) and p.path(0, 2).loss_pct == pytest.approx(1)
+    assert p.path(0, 2).rate_bps == 10**9
+    assert "site 2:" in p.topology_lines()[1] and "its hop 80 ms one-way, loss 1%" in p.topology_lines()[1]
+    # A site without delay of its own keeps half the profile's, and a rate-only profile stays rate-only.
+    (tmp_path / "b").mkdir()
+    rate_only = load_profile(write(tmp_path / "b", "inter_cluster: {rate: 1gbit}\nsites:\n  1: {rate: 100mbit}\n"))
+    assert not rate_only.needs_netem and rate_only.path(0, 1).rate_bps == 10**8
 
 
 def test_a_site_the_run_does_not_have_is_refused(tmp_path):

@@ -36,3 +36,22 @@ def test_one_slow_site_among_four(tmp_path):
                      "u3": 10**8}  # fmt: skip
     assert summary["link_conforms"] is True
     assert leftovers(before, run_marker(out)) == {}
+
+
+def test_a_far_site_has_its_own_delay_on_the_delay_line(tmp_path):
+    """Site 1 sits 30 ms (one-way) behind its own hop on a 10 ms profile: the path between sites 0 and 1 has
+    5 + 30 ms one-way, 70 ms round trip, which the link check measures before training."""
+    before = snapshot()
+    profile = tmp_path / "far-site.yaml"
+    profile.write_text("inter_cluster: {rate: 100mbit, delay: 10ms}\nsites:\n  1: {delay: 30ms}\n")
+    out = tmp_path / "run"
+    result = harness(
+        "run", "--profile", profile, "--method", "dilocox", "--local-steps", 5, "--steps", 10, *SMALL_RUN,
+        "--link-emulator", "userspace", "--out", out,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = summary_of(out)
+    assert summary["link_rtt_target_ms"] == pytest.approx(70)
+    assert summary["link_check_ok"] is True, summary["link_rtt_ms"]
+    assert summary["link_rtt_ms"] == pytest.approx(70, abs=3.5)
+    assert leftovers(before, run_marker(out)) == {}
