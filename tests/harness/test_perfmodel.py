@@ -150,3 +150,13 @@ def test_bad_input_is_one_clear_sentence(args, message):
     out = CliRunner().invoke(main, ["project", *args])
     assert out.exit_code == 2, out.output
     assert message in out.output
+
+
+def test_gloos_ring_all_reduce_has_a_window_of_two_segments():
+    """Two 1 MiB segments in flight: at 40 ms no more than 2 MiB / 40 ms = 419 Mbit/s, whatever the rate and TCP."""
+    link = LinkModel(1e9, 0.040, window_bytes=32 << 20)
+    assert link.goodput_bps == pytest.approx(940e6)
+    assert link.allreduce_goodput_bps == pytest.approx(8 * (2 << 20) / 0.040)
+    assert link.allreduce_s(64 << 20, 2) == pytest.approx(8 * (64 << 20) / link.allreduce_goodput_bps + 2 * 0.040)
+    # All-gathers send each payload whole: TCP's window only.
+    assert link.allgather_s(64 << 20, 2) == pytest.approx(8 * (64 << 20) / 940e6 + 0.040)
