@@ -242,9 +242,9 @@ def sync_rounds(group: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
 
     The fields of round t sent (rank, H, compression error and its bounds) sit at its `sync_round`. Those of an
     applied average (cosine, step ratio, estimated rank) sit at the round it carried: an event logs both, and under
-    a delayed overlap the average it applies is the previous round's. Exchanges are applied in order, once each, so
-    the k-th applied average is round k's; `finish` applies whatever is still in flight, so its average is the last
-    round sent (when it applies two, the one logged is the last). Empty when no run logs the fields.
+    a delayed overlap the average it applies is the previous round's. Exchanges are applied in order, once each, and
+    every apply is logged once (a `finish` event per apply at the end), so the k-th applied average is round k's.
+    Empty when no run logs the fields.
     """
     fields = [*SENT_FIELDS, *APPLIED_FIELDS]
     columns = ["run_id", "variant", "rank", "kind", "step", "sync_round", *fields]
@@ -263,10 +263,7 @@ def sync_rounds(group: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
         sent = run[run["sync_round"].notna()]
         sent = sent.assign(round=sent["sync_round"].astype(int)).groupby("round")[list(SENT_FIELDS)].last()
         applied = run[run[list(APPLIED_FIELDS)].notna().any(axis=1)]
-        rounds = pd.Series(range(1, len(applied) + 1), index=applied.index)
-        if len(sent):
-            rounds[applied["_finish"]] = sent.index.max()
-        applied = applied.assign(round=rounds).groupby("round")[list(APPLIED_FIELDS)].last()
+        applied = applied.assign(round=range(1, len(applied) + 1)).groupby("round")[list(APPLIED_FIELDS)].last()
         table = sent.join(applied, how="outer").reset_index()
         rows.append(table.assign(run_id=run_id, variant=run["variant"].iloc[0]))
     table = pd.concat(rows, ignore_index=True)

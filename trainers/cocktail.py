@@ -103,12 +103,12 @@ class Cocktail(Method):
             fields={"compression_error": compression_error, "stale_steps": 1},
         )
 
-    def finish(self) -> SyncReport | None:
+    def finish(self) -> list[SyncReport]:
         """Apply the last step's update, so the final global model holds every step."""
         if self.pending is None:
-            return None
+            return []
         blocked_s, overlapped_s = self._apply_pending()
-        return SyncReport(payload_bytes=0, blocked_s=blocked_s, overlapped_s=overlapped_s)
+        return [SyncReport(payload_bytes=0, blocked_s=blocked_s, overlapped_s=overlapped_s)]
 
     @torch.no_grad()
     def _average_models(self) -> SyncReport:

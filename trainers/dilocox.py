@@ -446,10 +446,11 @@ class DiLoCoX(Method):
         self.last_average = delta
         return fields
 
-    def finish(self) -> SyncReport | None:
+    def finish(self) -> list[SyncReport]:
         """Apply what is still in flight, so training ends on a theta that holds every round: a round whose
         exchange already started (streaming) ends here; with final_sync the steps not yet sent are exchanged as an
-        ordinary, shorter round; then the last exchange in flight is applied, and every replica holds theta."""
+        ordinary, shorter round; then the last exchange in flight is applied, and every replica holds theta. One
+        report each, so each apply's monitor fields are logged at its own round."""
         reports = []
         if self.sending is not None:
             reports.append(self._outer_step())
@@ -460,14 +461,7 @@ class DiLoCoX(Method):
             blocked_s, overlapped_s, fields = self._apply(exchange)
             reports.append(SyncReport(0, blocked_s, overlapped_s, fields))
         copy_into(self.global_params, self.params)
-        if not reports:
-            return None
-        return SyncReport(
-            payload_bytes=sum(r.payload_bytes for r in reports),
-            blocked_s=sum(r.blocked_s for r in reports),
-            overlapped_s=sum(r.overlapped_s for r in reports),
-            fields={k: v for r in reports for k, v in r.fields.items()},
-        )
+        return reports
 
     def applied_steps(self, trained_steps: int) -> int:
         return self.synchronized_steps

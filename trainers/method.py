@@ -105,9 +105,10 @@ class Method(ABC):
     def step(self, step: int) -> SyncReport | None:
         """Consume this step's gradients; return a report when this step synchronized across clusters."""
 
-    def finish(self) -> SyncReport | None:
-        """Complete communication still in flight at the end of training."""
-        return None
+    def finish(self) -> list[SyncReport]:
+        """Complete communication still in flight at the end of training: one report per exchange sent or average
+        applied here, in order (the train loop logs each as its own `finish` event)."""
+        return []
 
     def applied_steps(self, trained_steps: int) -> int:
         """How many of the `trained_steps` steps have their updates in the synchronized parameters now: the tokens

@@ -67,11 +67,11 @@ class OpenDiLoCo(Method):
             return None
         return self._outer_step()
 
-    def finish(self) -> SyncReport | None:
+    def finish(self) -> list[SyncReport]:
         """The partial last round's outer step (with final_sync), so the final theta_global holds every step."""
         if self.cfg.final_sync and self.steps_in_round:
-            return self._outer_step()
-        return None
+            return [self._outer_step()]
+        return []
 
     def applied_steps(self, trained_steps: int) -> int:
         return self.synchronized_steps

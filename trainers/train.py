@@ -121,7 +121,7 @@ def train(
         computed = time.perf_counter()
         report = method.step(step)
         # Communication still in flight after the last step belongs to the run: drain it inside the window.
-        final_report = method.finish() if step == cfg.steps - 1 else None
+        final_reports = method.finish() if step == cfg.steps - 1 else []
         ended = time.perf_counter()
         losses.append(loss)
         event = {
@@ -140,7 +140,7 @@ def train(
         if read_wire_bytes:
             event["wire_bytes"] = read_wire_bytes() - wire_start
         log(event)
-        if final_report is not None:
+        for final_report in final_reports:
             log({"kind": "finish", "step": step, **{f"sync_{k}": v for k, v in final_report.as_event().items()}})
         if step + 1 == cfg.throughput_warmup_steps:
             window_start = ended

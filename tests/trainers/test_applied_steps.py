@@ -25,7 +25,7 @@ def _train(method_name: str, options: dict, steps: int) -> tuple[int, list, torc
         x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
         torch.nn.functional.mse_loss(model(x), y).backward()
         reports.append(method.step(step))
-    reports.append(method.finish())
+    reports += method.finish()
     return method.applied_steps(steps), [r for r in reports if r is not None], model, method
 
 

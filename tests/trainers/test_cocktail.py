@@ -121,7 +121,8 @@ def _known_values_scenario(rank: int, steps: int) -> dict:
         out["reports"].append(method.step(step).as_event())
         out["local"].append(weight.detach().clone())
         out["global"].append(_global(method, [weight]))
-    out["finish"] = method.finish().as_event()
+    (final,) = method.finish()
+    out["finish"] = final.as_event()
     out["final_local"], out["final_global"] = weight.detach().clone(), _global(method, [weight])
     return out
 

@@ -170,7 +170,7 @@ def _equivalence_scenario(rank: int) -> dict:
         "dilocox": clones(dilocox.global_params),
         "dilocox_local": clones(b.parameters()),
         "payloads": payloads,
-        "finish": dilocox.finish(),
+        "finish": dilocox.finish(),  # a list of reports: empty when nothing is left
     }
 
 
@@ -196,7 +196,8 @@ def _delay_scenario(rank: int) -> dict:
             out["after"].append(clones(method.global_params))
             out["local_after"].append(clones(model.parameters()))
             out["reports"].append(report.as_event())
-    out["finish"] = method.finish().as_event()
+    (final,) = method.finish()
+    out["finish"] = final.as_event()
     out["final"] = clones(method.global_params)
     out["final_local"] = clones(model.parameters())
     return out
@@ -219,11 +220,10 @@ def _train_scenario(rank: int) -> dict:
         report = method.step(step)
         if report is not None:
             reports[step] = report.as_event()
-    finish = method.finish()
     return {
         "losses": losses,
         "reports": reports,
-        "finish": None if finish is None else finish.as_event(),
+        "finish": [r.as_event() for r in method.finish()],
         "global": clones(method.global_params),
         "rank_r": method.compressor.rank,
         "local_steps": method.local_steps,
@@ -252,7 +252,7 @@ def test_every_part_off_is_opendiloco(two_replicas):
             assert torch.equal(local, ours)
         # Three rounds, the same fp16 all-reduce bytes, and nothing left in flight.
         assert len(out["payloads"]) == 3 and all(a == b > 0 for a, b in out["payloads"])
-        assert out["finish"] is None
+        assert out["finish"] == []
 
 
 def test_overlap_applies_exactly_the_previous_round_average(two_replicas):
@@ -318,7 +318,9 @@ def test_two_replicas_learn_agree_and_adapt(two_replicas):
         rounds = [r["round"] for r in out["reports"].values()]
         assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 3
         # finish() lands the last exchange and, rounds having grown past what is left, sends the partial last round.
-        assert out["finish"] is not None and out["finish"]["payload_bytes"] > 0
+        # One report per exchange sent or average applied, each with its own fields.
+        assert len(out["finish"]) == 2 and out["finish"][0]["payload_bytes"] > 0
+        assert out["finish"][-1]["payload_bytes"] == 0 and out["finish"][-1]["cosine"] is not None
         for report in out["reports"].values():
             assert 0 < report["compression_error"] < 1
             assert report["blocked_s"] >= 0 and report["overlapped_s"] >= 0
