@@ -17,7 +17,8 @@
         opendiloco  pseudo-gradients in --pseudo-grad-dtype, all-reduce, every H steps, blocking
         cocktail    sparsified and quantized deltas, all-gather, every step, hidden behind the next step
         dilocox     rank-r int-q factors (or fp16 without compression), all-gather (all-reduce), every H steps,
-                    hidden behind tau steps (streaming), H steps (delayed, eager) or none
+                    hidden behind tau steps (streaming), H steps (delayed, eager) or none; with adaptation, the
+                    rank estimate's small all-reduce beside it (the longer of the two sets the exchange's time)
     A step then takes compute_s + max(0, exchange_s - hidden_steps x hide_s) / every_steps, where hide_s is the
     forward and backward part of compute_s (the events' compute_s), what runs while an exchange is in flight.
 
@@ -202,8 +203,11 @@ def schedule(method: str, options: dict[str, Any], model: str, n: int, link: Lin
             per_site = sum(compressor.payload_nbytes(shape) for shape in parameter_shapes(model))
             payload, exchange_s = allgather_payload_bytes(per_site, n), link.allgather_s(per_site, n)
         if cfg.adaptive:
-            # The rank estimate's all-reduce beside each exchange: two float64 (trainers/dilocox.py, _rank_totals).
+            # The rank estimate's all-reduce runs beside each exchange (two float64, trainers/dilocox.py,
+            # _rank_totals), at the same time: gloo works a process group's collectives on two threads. Its two
+            # ring steps' round trips outlast the payload's one on a long path.
             payload += allreduce_payload_bytes(RANK_ESTIMATE_BYTES, n)
+            exchange_s = max(exchange_s, link.allreduce_s(RANK_ESTIMATE_BYTES, n))
         return Schedule(
             payload, exchange_s, cfg.local_steps, hidden[cfg.overlap],
             first_exchange_extra_s=link.slow_start_extra_s(payload),

@@ -160,3 +160,11 @@ def test_gloos_ring_all_reduce_has_a_window_of_two_segments():
     assert link.allreduce_s(64 << 20, 2) == pytest.approx(8 * (64 << 20) / link.allreduce_goodput_bps + 2 * 0.040)
     # All-gathers send each payload whole: TCP's window only.
     assert link.allgather_s(64 << 20, 2) == pytest.approx(8 * (64 << 20) / 940e6 + 0.040)
+
+
+def test_dilocoxs_rank_estimate_all_reduce_can_outlast_its_payload():
+    """Two ring steps for 16 bytes against one for the payload's gather: at 160 ms the estimate sets the time."""
+    adaptive = schedule("dilocox", {"local_steps": 10}, "tiny", 2, LINK_100M_160MS)
+    fixed = schedule("dilocox", {"local_steps": 10, "adaptive": False}, "tiny", 2, LINK_100M_160MS)
+    assert fixed.exchange_s == pytest.approx(LINK_100M_160MS.allgather_s(fixed.payload_bytes, 2))
+    assert adaptive.exchange_s == pytest.approx(LINK_100M_160MS.allreduce_s(16, 2)) > fixed.exchange_s
