@@ -6,10 +6,11 @@
     unshaped link, where waiting is short, it is measured apart from it). For a model this machine cannot train, from
     a target accelerator: 6 N tokens per site per step / (accelerators x peak FLOP/s x MFU).
 (b) the link: the slowest site's rate (min of every site's uplink and downlink), the longest round trip between two
-    sites, and what TCP gets out of them: goodput = min(efficiency x rate, window / RTT); gloo's ring all-reduce has
-    a window of its own, two 1 MiB segments in flight, so its goodput is also at most 2 MiB / RTT. A ring collective
-    pays one RTT per ring step on top of its bytes (gloo hands each chunk over with a round trip):
-        all-reduce of B bytes over n sites    2(n-1)/n B / goodput + 2(n-1) RTT
+    sites, and what TCP gets out of them: goodput = min(efficiency x rate, window / RTT). A collective pays a round
+    trip for every hand-over on top of its bytes:
+        all-reduce of B bytes over n sites    2(n-1)/n B / goodput + turns x RTT: gloo's ring moves B as s =
+                                              max(B / 1 MiB, 2n) segments, two in flight, so turns =
+                                              2 ceil(s (n-1)/n / 2), which is 2(n-1) for a small B
         all-gather of p bytes from each site  (n-1) p / goodput + (n-1) RTT
 (c) the schedule: the bytes each exchange sends (from the method's own compressor and its settings: H, r, q), how
     many steps apart exchanges are, and how many steps of compute run while one is in flight:
@@ -57,9 +58,9 @@ DEFAULT_EFFICIENCY = 0.94
 # Bytes TCP keeps in flight per connection: a single stream through a 40 ms delay line reached 554 Mbit/s with
 # net.ipv4.tcp_wmem's maximum at 4 MiB (README, "Real WAN links"), 2.77 MB in flight: two thirds of the maximum.
 WINDOW_SHARE_OF_WMEM = 2 / 3
-# gloo's ring all-reduce (gloo/allreduce.cc): each rank has two send/recv segments of at most kMaxSegmentSize
-# (1 MiB) in flight at any time; torch does not change the segment size.
-GLOO_ALLREDUCE_IN_FLIGHT_BYTES = 2 << 20
+# gloo's ring all-reduce (gloo/allreduce.cc) cuts its buffer into segments of at most kMaxSegmentSize, 1 MiB,
+# and keeps two of them in flight per direction; torch does not change the segment size.
+GLOO_SEGMENT_BYTES = 1 << 20
 INITIAL_WINDOW_SEGMENTS = 10
 MSS_BYTES = 1448  # a 1500-byte MTU less IP and TCP headers with timestamps
 # harness project --validate: what a prediction must come within (the issue's acceptance).
@@ -103,15 +104,13 @@ class LinkModel:
         window_bound = 8 * self.window_bytes / self.rtt_s if self.rtt_s > 0 else math.inf
         return min(self.efficiency * self.rate_bps, window_bound)
 
-    @property
-    def allreduce_goodput_bps(self) -> float:
-        """gloo's ring all-reduce keeps two segments of at most 1 MiB in flight per direction
-        (GLOO_ALLREDUCE_IN_FLIGHT_BYTES): a window of its own, which binds before TCP's on a long path."""
-        window_bound = 8 * GLOO_ALLREDUCE_IN_FLIGHT_BYTES / self.rtt_s if self.rtt_s > 0 else math.inf
-        return min(self.goodput_bps, window_bound)
-
     def allreduce_s(self, nbytes: int, n: int) -> float:
-        return 8 * allreduce_payload_bytes(nbytes, n) / self.allreduce_goodput_bps + 2 * (n - 1) * self.rtt_s
+        """gloo's ring all-reduce (gloo/allreduce.cc): the buffer goes as segments of at most 1 MiB (at least 2n of
+        them), two in flight per direction; a reduce-scatter then an all-gather, each passing (n-1)/n of the segments
+        to the next site. Every two segments cost a round trip: on a long path the ring, not TCP, sets the pace."""
+        segments = math.ceil(max(math.ceil(nbytes / GLOO_SEGMENT_BYTES), 2 * n) / n) * n
+        turns = 2 * math.ceil(segments * (n - 1) // n / 2)
+        return 8 * allreduce_payload_bytes(nbytes, n) / self.goodput_bps + turns * self.rtt_s
 
     def allgather_s(self, nbytes_per_site: int, n: int) -> float:
         return 8 * allgather_payload_bytes(nbytes_per_site, n) / self.goodput_bps + (n - 1) * self.rtt_s
