@@ -348,6 +348,14 @@ class Profile:
                 ]
             )
             lines.append(f"  except site {site}:  --[up {up}]--> switch --[down {down}]--> site {site}{extra}")
+            if hop.delay_ms or hop.loss_pct:
+                other = 0 if site else 1
+                path = self.path(site, other)
+                lines.append(
+                    f"    path site {site} <-> site {other}: RTT {path.rtt_ms:g} ms"
+                    + (f", loss {path.loss_pct:.3g}%" if path.loss_pct else "")
+                    + " (a site's parsed delay_ms is twice its hop's: LinkSpecs hold path figures)"
+                )
         return lines
 
     def check_sites(self, clusters: int) -> None:
