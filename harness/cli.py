@@ -815,8 +815,9 @@ def project(
 
     The model (harness/perfmodel.py): a step takes its compute plus the part of each exchange that the compute
     beside it does not hide; an exchange's time is its bytes over min(efficiency x the slowest site's rate, TCP
-    window / RTT) plus a round trip per hand-over (gloo's all-reduce hands over two 1 MiB segments at a time). Compute comes from --compute-from (this machine, scaled by FLOPs),
-    --compute-s, or a target accelerator (--accelerator-tflops, --accelerators-per-site, --mfu).
+    window / RTT) plus a round trip per hand-over (gloo's all-reduce hands over two 1 MiB segments at a time).
+    Compute comes from --compute-from (this machine, scaled by FLOPs), --compute-s, or a target accelerator
+    (--accelerator-tflops, --accelerators-per-site, --mfu).
     """
     import json
 
