@@ -24,3 +24,7 @@ harness sweep --methods dilocox "${common[@]}" --set overlap=delayed --set adapt
 # machine had time for next to the sweeps above.
 harness sweep --methods allreduce,dilocox --profiles unshaped --seeds 0 --model tiny --steps 2000 --eval-every 100 \
     --local-steps 50 --data-shift 50 --set overlap=none,delayed,eager --out "$out/convergence-tiny-shift"
+
+# Does compression cost the gap to AllReduce? The default overlap (streaming) at twice the rank (r_1 = 64, above
+# the 40-60 the estimator reads in the runs above), int4 and int8.
+harness sweep --methods dilocox "${common[@]}" --set rank=64 --set bits=4,8 --out "$out/convergence-tiny-rank64"
