@@ -28,3 +28,6 @@ harness sweep --methods allreduce,dilocox --profiles unshaped --seeds 0 --model 
 # Does compression cost the gap to AllReduce? The default overlap (streaming) at twice the rank (r_1 = 64, above
 # the 40-60 the estimator reads in the runs above), int4 and int8.
 harness sweep --methods dilocox "${common[@]}" --set rank=64 --set bits=4,8 --out "$out/convergence-tiny-rank64"
+harness report "$out/convergence-tiny" "$out/convergence-tiny-rank64" --csv "$out/convergence-tiny-rank64/comparison.csv" \
+    >"$out/convergence-tiny-rank64/report.md"
+harness plot "$out/convergence-tiny-rank64" --out "$out/convergence-tiny-rank64/figures"
