@@ -39,7 +39,12 @@ def cluster_lifecycle(profile: Profile, clusters: int, stages: int, repeats: int
 
 
 def delay_line_goodput(
-    rate_bps: int | None, rtts_ms: list[float], seconds: float, repeats: int, loss_pct: float = 0.0
+    rate_bps: int | None,
+    rtts_ms: list[float],
+    seconds: float,
+    repeats: int,
+    loss_pct: float = 0.0,
+    window_bytes: int | None = None,
 ) -> list[dict]:
     """One TCP stream between two clusters: without the delay line, then through it at each RTT; median goodput.
 
@@ -49,6 +54,8 @@ def delay_line_goodput(
     Each row also gives the bound a single stream's window sets at that RTT: the smaller of the sender's and the
     receiver's largest socket buffers (net.ipv4.tcp_wmem and tcp_rmem as the clusters' namespaces see them) over
     the RTT. Linux charges a buffer with its packets' overhead too, so a stream gets somewhat less than that.
+    `window_bytes` clamps the receiver's window to that (TCP_WINDOW_CLAMP), e.g. to the 2 MiB gloo's ring
+    all-reduce keeps in flight; the bound is then that window over the RTT.
     """
     from harness.linkprobe import tcp_goodput_bps
 
@@ -64,10 +71,10 @@ def delay_line_goodput(
             with RunLock(run_key):
                 try:
                     backend.up()
-                    goodputs.append(tcp_goodput_bps(backend, topology, seconds))
+                    goodputs.append(tcp_goodput_bps(backend, topology, seconds, window_bytes=window_bytes))
                     receive = int(read_sysctl(backend.command_in(1), "net/ipv4/tcp_rmem").split()[-1])
                     send = int(read_sysctl(backend.command_in(0), "net/ipv4/tcp_wmem").split()[-1])
-                    window = min(receive, send)
+                    window = min(receive, send, window_bytes or receive)
                 finally:
                     backend.down()
         rows.append(

@@ -511,7 +511,13 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
 @click.option("--seconds", default=5.0, show_default=True, help="Measured seconds per stream (after 1 s of warmup).")
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--loss", default="0%", show_default=True, help="Loss through the delay line (> 0: wire-sized packets).")
-def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int, loss: str) -> None:
+@click.option(
+    "--window-bytes",
+    type=click.IntRange(min=1),
+    help="Clamp the stream's window (the receiver's TCP_WINDOW_CLAMP), e.g. 2097152: what gloo's all-reduce keeps "
+    "in flight.",
+)
+def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int, loss: str, window_bytes: int | None) -> None:
     """Benchmark the userspace delay line: one TCP stream without it and through it at each RTT."""
     from harness.benchmarks import delay_line_goodput
     from harness.profiles import parse_loss_pct, parse_rate_bps
@@ -521,7 +527,7 @@ def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int, loss: 
     rtts = [float(r) for r in _csv(rtt_ms)]
     _reexec_if_unprivileged()
     table = Table("emulator", "rate", "RTT", "loss", "goodput (median, min-max)", "window bound")
-    for row in delay_line_goodput(rate_bps, rtts, seconds, repeats, loss_pct):
+    for row in delay_line_goodput(rate_bps, rtts, seconds, repeats, loss_pct, window_bytes):
         bound = row["window_bound_bps"]
         table.add_row(
             row["emulator"],

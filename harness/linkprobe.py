@@ -252,19 +252,29 @@ def check_link(cluster: Any, topology: Any, spec: Any, out: Path) -> dict[str, A
     return fields
 
 
-def tcp_goodput_bps(cluster: Any, topology: Any, seconds: float, warmup_s: float = 1.0) -> float:
-    """One TCP stream from cluster 0 to cluster 1: bits per second received after `warmup_s` (slow start)."""
-    sink = ["sink-tcp", "--warmup-s", repr(warmup_s)]
+def tcp_goodput_bps(
+    cluster: Any, topology: Any, seconds: float, warmup_s: float = 1.0, window_bytes: int | None = None
+) -> float:
+    """One TCP stream from cluster 0 to cluster 1: bits per second received after `warmup_s` (slow start).
+    `window_bytes` clamps the receiver's advertised window (TCP_WINDOW_CLAMP): at most that much in flight."""
+    sink = ["sink-tcp", "--warmup-s", repr(warmup_s), *(["--window-bytes", str(window_bytes)] if window_bytes else [])]
     send = ["send-tcp", "--seconds", repr(seconds + warmup_s)]
     _, received = _between_clusters(cluster, topology, sink, send, seconds + warmup_s + 60, server_ends=True)
     return json.loads(received)["goodput_bps"]
 
 
-def sink_tcp(bind: str, port: int, warmup_s: float) -> dict:
+def sink_tcp(bind: str, port: int, warmup_s: float, window_bytes: int | None = None) -> dict:
     """Accept one TCP stream and read it to its end; bits per second after the first `warmup_s`."""
     listener = socket.create_server((bind, port))
+    if window_bytes:
+        # A fixed receive buffer stops autotuning, which would otherwise raise the clamp below as it grows the
+        # buffer; set before the handshake, so the window scale can express it.
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window_bytes)
     print("ready", flush=True)
     connection, _ = listener.accept()
+    if window_bytes:
+        # The receiver never advertises more than this, so no more is ever in flight.
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, window_bytes)
     started = time.monotonic()
     counted = 0
     counting_from = None
@@ -295,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         server.add_argument("--port", type=int, default=PORT)
     commands.choices["serve"].add_argument("--idle-s", type=float, default=5.0)
     commands.choices["sink-tcp"].add_argument("--warmup-s", type=float, default=1.0)
+    commands.choices["sink-tcp"].add_argument("--window-bytes", type=int)
     for name in ("probe", "send-tcp"):
         client = commands.add_parser(name)
         client.add_argument("--target", required=True)
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         print(json.dumps(serve(args.bind, args.port, args.idle_s)), flush=True)
     elif args.command == "sink-tcp":
-        print(json.dumps(sink_tcp(args.bind, args.port, args.warmup_s)), flush=True)
+        print(json.dumps(sink_tcp(args.bind, args.port, args.warmup_s, args.window_bytes)), flush=True)
     elif args.command == "probe":
         print(json.dumps(probe(args.target, args.port, args.count, args.pps)))
     else:

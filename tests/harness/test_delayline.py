@@ -467,3 +467,17 @@ def test_a_real_run_checks_its_link_through_the_delay_line_and_leaves_nothing(tm
     finally:
         if key is not None and (namespaces_of(key) or delay_line_pids(key)):
             subprocess.run([sys.executable, "-m", "harness.cli", "cleanup", "--run-key", key], cwd=REPO, timeout=60)
+
+
+@pytest.mark.e2e
+@e2e
+def test_a_clamped_window_bounds_a_stream_through_the_delay_line():
+    """bench-delayline --window-bytes: a 256 KiB window at 40 ms allows 52 Mbit/s, far below the 1 Gbit/s link; the
+    stream must not exceed that bound (the clamp holds: autotuning cannot raise it)."""
+    from harness.benchmarks import delay_line_goodput
+
+    window = 256 * 1024
+    _, delayed = delay_line_goodput(10**9, [40.0], seconds=1.0, repeats=1, window_bytes=window)
+    assert delayed["window_bytes"] == window
+    assert delayed["window_bound_bps"] == pytest.approx(8 * window / 0.040)
+    assert 0 < delayed["goodput_bps"] <= 1.05 * delayed["window_bound_bps"]
