@@ -31,3 +31,8 @@ harness sweep --methods dilocox "${common[@]}" --set rank=64 --set bits=4,8 --ou
 harness report "$out/convergence-tiny" "$out/convergence-tiny-rank64" --csv "$out/convergence-tiny-rank64/comparison.csv" \
     >"$out/convergence-tiny-rank64/report.md"
 harness plot "$out/convergence-tiny-rank64" --out "$out/convergence-tiny-rank64/figures"
+
+# And four times the rank (r_1 = 128, int4): does the gap keep closing?
+harness sweep --methods dilocox "${common[@]}" --set rank=128 --out "$out/convergence-tiny-rank128"
+harness report "$out/convergence-tiny" "$out/convergence-tiny-rank64" "$out/convergence-tiny-rank128" \
+    --csv "$out/convergence-tiny-rank128/comparison.csv" >"$out/convergence-tiny-rank128/report.md"
