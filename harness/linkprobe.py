@@ -273,7 +273,9 @@ def sink_tcp(bind: str, port: int, warmup_s: float, window_bytes: int | None = N
     print("ready", flush=True)
     connection, _ = listener.accept()
     if window_bytes:
-        # The receiver never advertises more than this, so no more is ever in flight.
+        # The receiver never advertises more than this, so no more is ever in flight; its buffer stays fixed (and
+        # autotuning off) on the connection too.
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, window_bytes)
         connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_WINDOW_CLAMP, window_bytes)
     started = time.monotonic()
     counted = 0

@@ -472,12 +472,13 @@ def test_a_real_run_checks_its_link_through_the_delay_line_and_leaves_nothing(tm
 @pytest.mark.e2e
 @e2e
 def test_a_clamped_window_bounds_a_stream_through_the_delay_line():
-    """bench-delayline --window-bytes: a 256 KiB window at 40 ms allows 52 Mbit/s, far below the 1 Gbit/s link; the
-    stream must not exceed that bound (the clamp holds: autotuning cannot raise it)."""
+    """bench-delayline --window-bytes: a 256 KiB window at 40 ms allows 52 Mbit/s, where the same stream unclamped
+    gets ~550 Mbit/s: the clamp holds (autotuning cannot raise it). The bound has slack: one second of a short
+    stream counts what the receive buffer held at its start (once 69 Mbit/s under a loaded full suite)."""
     from harness.benchmarks import delay_line_goodput
 
     window = 256 * 1024
     _, delayed = delay_line_goodput(10**9, [40.0], seconds=1.0, repeats=1, window_bytes=window)
     assert delayed["window_bytes"] == window
     assert delayed["window_bound_bps"] == pytest.approx(8 * window / 0.040)
-    assert 0 < delayed["goodput_bps"] <= 1.05 * delayed["window_bound_bps"]
+    assert 0 < delayed["goodput_bps"] <= 2 * delayed["window_bound_bps"]
