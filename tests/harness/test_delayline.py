@@ -473,8 +473,8 @@ def test_a_real_run_checks_its_link_through_the_delay_line_and_leaves_nothing(tm
 @e2e
 def test_a_clamped_window_bounds_a_stream_through_the_delay_line():
     """bench-delayline --window-bytes: a 256 KiB window at 40 ms allows 52 Mbit/s, where the same stream unclamped
-    gets ~550 Mbit/s: the clamp holds (autotuning cannot raise it). The bound has slack: one second of a short
-    stream counts what the receive buffer held at its start (once 69 Mbit/s under a loaded full suite)."""
+    gets ~550 Mbit/s: the clamp holds (autotuning cannot raise it). The check allows 2x the bound: in one full-suite
+    run, before the connection's own buffer was fixed too, it read 69 Mbit/s; 2x still tells clamped from not."""
     from harness.benchmarks import delay_line_goodput
 
     window = 256 * 1024
