@@ -68,6 +68,7 @@ VALIDATION_TOLERANCE = 0.15
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 GRADIENT_BYTES = 4  # AllReduce reduces fp32 gradients
 RANK_ESTIMATE_BYTES = 16
+MODELLED_METHODS = ("allreduce", "opendiloco", "cocktail", "dilocox")
 
 
 class ProjectionError(UserError):
@@ -125,7 +126,9 @@ class LinkModel:
         window, sent, elapsed = INITIAL_WINDOW_SEGMENTS * MSS_BYTES, 0.0, 0.0
         while sent + window < nbytes and window < bdp_bytes:
             sent, window, elapsed = sent + window, 2 * window, elapsed + self.rtt_s
-        return max(0.0, elapsed + 8 * (nbytes - sent) / self.goodput_bps - 8 * nbytes / self.goodput_bps)
+        # The last window's bytes go at the goodput either way: what slow start adds is its round trips, less the
+        # time the bytes sent during them would have taken at the goodput.
+        return max(0.0, elapsed - 8 * sent / self.goodput_bps)
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,11 @@ def schedule(method: str, options: dict[str, Any], model: str, n: int, link: Lin
             payload, exchange_s, cfg.local_steps, hidden[cfg.overlap],
             first_exchange_extra_s=link.slow_start_extra_s(payload),
         )  # fmt: skip
-    raise ProjectionError(f"harness project models allreduce, opendiloco, cocktail and dilocox, not {method!r}")
+    raise _not_modelled(method)
+
+
+def _not_modelled(method: str) -> ProjectionError:
+    return ProjectionError(f"harness project models {', '.join(MODELLED_METHODS)}, not {method!r}")
 
 
 @dataclass(frozen=True)
@@ -401,7 +408,7 @@ def measured_compute(run_dir: Path) -> Compute:
     )
 
 
-def run_key(summary: dict[str, Any], config: RunConfig) -> tuple:
+def settings_key(summary: dict[str, Any], config: RunConfig) -> tuple:
     """What a compute measurement must share with the run it predicts: method and options, model, shape, batch."""
     options = json.dumps(summary.get("method_options") or {}, sort_keys=True)
     train = config.train
@@ -426,10 +433,10 @@ def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict
     mean), which should be other runs than the predicted ones (on an unshaped link)."""
     computes: dict[tuple, list[Compute]] = {}
     for run_dir, summary, config in ok_runs(compute_from):
-        computes.setdefault(run_key(summary, config), []).append(measured_compute(run_dir))
+        computes.setdefault(settings_key(summary, config), []).append(measured_compute(run_dir))
     groups: dict[tuple, list[tuple[dict, RunConfig]]] = {}
     for _, summary, config in ok_runs(results):
-        groups.setdefault((run_key(summary, config), summary["profile"]), []).append((summary, config))
+        groups.setdefault((settings_key(summary, config), summary["profile"]), []).append((summary, config))
     rows = []
     for (key, profile_name), runs in sorted(groups.items(), key=lambda kv: (kv[0][0][2], kv[0][1], kv[0][0][0])):
         if key not in computes:
@@ -488,8 +495,8 @@ def project(
     method's options), checked as a run would check them, so a projection is of a run that could be made."""
     config = RunConfig.build(method, profile, clusters=clusters, model=model, **settings)
     config.profile.check_sites(clusters)
-    if method not in ("allreduce", "opendiloco", "cocktail", "dilocox"):
-        raise ProjectionError(f"harness project models allreduce, opendiloco, cocktail and dilocox, not {method!r}")
+    if method not in MODELLED_METHODS:
+        raise _not_modelled(method)
     check_method_options(method, config.method_options)
     check_finite_options(config.method_options)
     try:
