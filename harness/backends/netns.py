@@ -184,6 +184,8 @@ class NetnsCluster:
         intra = self.profile.intra_cluster
         netem = self.link_emulator == "netem"
         delay_line = self.link_emulator == "userspace"
+        # With loss anywhere on the path, every uplink sends wire-sized frames, so a drop loses one packet.
+        cap_gso = delay_line and any(self.profile.uplink(c).loss_pct > 0 for c in range(self.topology.clusters))
         self._create_ns(self.switch_ns)
         for c in range(self.topology.clusters):
             self._create_ns(self.cluster_ns(c))
@@ -205,7 +207,7 @@ class NetnsCluster:
             with NetNS(self.cluster_ns(c), flags=0) as ns:
                 ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
                 up = ns.link_lookup(ifname=self.uplink(c))[0]
-                if delay_line and any(self.profile.uplink(k).loss_pct > 0 for k in range(self.topology.clusters)):
+                if cap_gso:
                     ns.link("set", index=up, gso_max_segs=1, gso_max_size=GSO_WIRE_BYTES)
                 ns.addr(
                     "add",
