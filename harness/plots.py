@@ -35,7 +35,16 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from harness.report import BASELINE, CEILING, GROUP_KEYS, RunTables, comparison, eval_curve, site_comparison
+from harness.report import (
+    BASELINE,
+    CEILING,
+    GROUP_KEYS,
+    RunTables,
+    comparison,
+    eval_curve,
+    in_group,
+    site_comparison,
+)
 from harness.units import format_rate
 
 FORMATS = ("png", "svg")
@@ -364,8 +373,8 @@ def plot_all(tables: RunTables, out: Path) -> list[Path]:
     written: list[Path] = []
     for key, group in ok.groupby(GROUP_KEYS, sort=True, dropna=False):
         slug = _slug(key, keys)
-        group_compared = compared[(compared[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
-        group_sites = sites[(sites[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+        group_compared = in_group(compared, key)
+        group_sites = in_group(sites, key)
         colors = {v: palette[v] for v in group_compared["variant"]}
         written += _save(loss_figure(group, evals, colors), out, f"loss-{slug}")
         written += _save(throughput_figure(group, group_compared, colors), out, f"throughput-{slug}")

@@ -199,6 +199,11 @@ def load_runs(paths: Sequence[Path]) -> RunTables:
     return RunTables(runs_table, event_table, pd.DataFrame(sites))
 
 
+def in_group(table: pd.DataFrame, key: tuple) -> pd.DataFrame:
+    """The rows of `table` in the comparable group `key` (values of GROUP_KEYS, in order)."""
+    return table[(table[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+
+
 def site_comparison(tables: RunTables) -> pd.DataFrame:
     """One row per (comparable group, variant, site) of the successful runs, in groups with sites of different rates
     or more than two sites (module doc): the site's rates, its uplink's wire bytes (mean) and the time its replica
@@ -643,7 +648,7 @@ def markdown(table: pd.DataFrame, runs: pd.DataFrame, sites: pd.DataFrame | None
                 "measurement."
             )
         if sites is not None and not sites.empty:
-            mine = sites[(sites[GROUP_KEYS] == pd.Series(key, index=GROUP_KEYS)).all(axis=1)]
+            mine = in_group(sites, key)
             if not mine.empty:
                 text += "\n\n" + _site_table(mine)
         parts.append(text + "\n")
