@@ -11,7 +11,8 @@ Building blocks, each usable alone:
 - int-k quantization: per-bucket max-abs scaling, symmetric levels, k in {2, 4, 8}, packed into bytes
 - random sparsification: a deterministic rotating strided mask every rank derives alone (CocktailSGD)
 - top-k selection with compact index encoding
-- low rank: one PowerSGD power iteration, and the spectral-energy rank estimator DiLoCoX adapts with
+- low rank: PowerSGD's power iteration (warm-started; how many per call is a setting), and the spectral-energy rank
+  estimator DiLoCoX adapts with
 - error feedback: what compression dropped, added back to the next tensor
 
 and the two composites the methods use, each with ``encode(x, step)``, ``decode(payload, shape, step)`` and
@@ -320,26 +321,30 @@ def _as_matrix(shape: Shape) -> tuple[int, int]:
 
 
 def low_rank(
-    x2d: torch.Tensor, rank: int, warm_q: torch.Tensor | None = None, seed: int = 0
+    x2d: torch.Tensor, rank: int, warm_q: torch.Tensor | None = None, seed: int = 0, iterations: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Factors P [m, r] and Q [n, r] with ``x2d`` ≈ P @ Q.T, r = min(rank, m, n), by one power iteration.
+    """Factors P [m, r] and Q [n, r] with ``x2d`` ≈ P @ Q.T, r = min(rank, m, n), by ``iterations`` power iterations.
 
-    From a start Q0 [n, r]: P = x2d @ Q0 orthonormalised by a reduced QR, then Q = x2d.T @ P. P @ Q.T is the
-    projection of ``x2d`` onto span(P), exact whenever rank(x2d) <= r. Q0 is ``warm_q`` when given with shape
-    [n, r]: the Q of the previous call, as in PowerSGD, since consecutive pseudo-gradients are correlated and
-    one iteration per call then keeps refining the same subspace. Otherwise Q0 is Gaussian, drawn from
-    ``seed`` on the CPU so that the result does not depend on the device.
+    From a start Q0 [n, r], each iteration: P = x2d @ Q orthonormalised by a reduced QR, then Q = x2d.T @ P. P @ Q.T
+    is the projection of ``x2d`` onto span(P), exact whenever rank(x2d) <= r, and each iteration brings span(P)
+    closer to the top-r singular subspace, whose projection is the best rank-r approximation (Eckart-Young). Q0 is
+    ``warm_q`` when given with shape [n, r]: the Q of the previous call, as in PowerSGD, since consecutive
+    pseudo-gradients are correlated and the calls then keep refining the same subspace. Otherwise Q0 is Gaussian,
+    drawn from ``seed`` on the CPU so that the result does not depend on the device.
     """
     _check_positive("rank", rank)
+    _check_positive("iterations", iterations)
     m, n = x2d.shape
     r = min(rank, m, n)
     x = x2d.detach().to(torch.float32)
     if warm_q is not None and warm_q.shape == (n, r):
-        q0 = warm_q.to(device=x.device, dtype=torch.float32)
+        q = warm_q.to(device=x.device, dtype=torch.float32)
     else:
-        q0 = torch.randn(n, r, generator=torch.Generator().manual_seed(seed)).to(x.device)
-    p = torch.linalg.qr(x @ q0).Q
-    return p, x.T @ p
+        q = torch.randn(n, r, generator=torch.Generator().manual_seed(seed)).to(x.device)
+    for _ in range(iterations):
+        p = torch.linalg.qr(x @ q).Q
+        q = x.T @ p
+    return p, q
 
 
 def low_rank_nbytes(shape: Shape, rank: int, bits: int | None, bucket_size: int = 128) -> int:
@@ -476,25 +481,32 @@ class LowRankQuantizeCompressor:
     """DiLoCoX's C_Q o C_L: low-rank factors of each matrix, then int-``bits`` quantization of the factors.
 
     A tensor of two or more dimensions is compressed as the matrix (shape[0], rest): factors P [m, r] and
-    Q [n, r] from one power iteration (``low_rank``, r = min(rank, m, n)), each quantized with its own bucket
-    scales; the payload is P's bytes then Q's. Where the factors would not be smaller than the matrix
-    (r * (m + n) >= m * n, e.g. a small matrix under a large rank), the matrix itself is quantized instead.
+    Q [n, r] from ``power_iterations`` power iterations (``low_rank``, r = min(rank, m, n)), each quantized with
+    its own bucket scales; the payload is P's bytes then Q's. Where the factors would not be smaller than the
+    matrix (r * (m + n) >= m * n, e.g. a small matrix under a large rank), the matrix itself is quantized instead.
     1-D tensors are only quantized. ``bits=None`` sends fp32 values (low rank alone).
 
     ``rank`` may be changed between calls (DiLoCoX adapts it). All ranks of a group must use the same value
     for a step, because the receiver derives the payload layout from it; decoding needs no other state.
 
     Warm start: ``encode(x, step, key=name)`` remembers Q per ``key`` and starts that key's next power
-    iteration from it (PowerSGD), which converges towards the top-r subspace over calls at one iteration per
-    call. Without a key every call starts from the Gaussian Q drawn from ``seed``. The refined subspace survives
-    a change of rank (``warm_start``): a lower rank keeps Q's leading columns, a higher one appends fresh Gaussian
-    columns, so that DiLoCoX, which changes r almost every round, does not restart from noise each time.
+    iteration from it (PowerSGD), which converges towards the top-r subspace over calls. Without a key every call
+    starts from the Gaussian Q drawn from ``seed``. PowerSGD's one iteration per call suits a gradient that changes
+    little between calls; a round's pseudo-gradient moves further, and more iterations, which cost only compute
+    (two matrix products each, once a round) and no bytes, bring the factors closer to its best rank-r
+    approximation. The refined subspace survives a change of rank (``warm_start``): a lower rank keeps Q's leading
+    columns, a higher one appends fresh Gaussian columns, so that DiLoCoX, which changes r almost every round,
+    does not restart from noise each time.
     """
 
-    def __init__(self, rank: int, bits: int | None = 4, bucket_size: int = 128, seed: int = 0) -> None:
+    def __init__(
+        self, rank: int, bits: int | None = 4, bucket_size: int = 128, seed: int = 0, power_iterations: int = 1
+    ) -> None:
         _check_bits(bits, allow_none=True)
         _check_positive("bucket_size", bucket_size)
+        _check_positive("power_iterations", power_iterations)
         self.rank = rank
+        self.power_iterations = power_iterations
         self.bits = bits
         self.bucket_size = bucket_size
         self.seed = seed
@@ -519,7 +531,8 @@ class LowRankQuantizeCompressor:
     def encode(self, x: torch.Tensor, step: int, key: str | None = None) -> torch.Tensor:
         if not self._factored(x.shape):
             return _encode_values(x, self.bits, self.bucket_size)
-        p, q = low_rank(x.reshape(_as_matrix(x.shape)), self.rank, self.warm_start(key, x.shape), self.seed)
+        matrix = x.reshape(_as_matrix(x.shape))
+        p, q = low_rank(matrix, self.rank, self.warm_start(key, x.shape), self.seed, self.power_iterations)
         if key is not None:
             self._warm_q[key] = q
         return torch.cat([_encode_values(f, self.bits, self.bucket_size) for f in (p, q)])

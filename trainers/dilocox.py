@@ -143,6 +143,9 @@ class DiLoCoXConfig:
     rank: int = 32  # r_1, and the most r_t ever is
     bits: int = 4  # q
     bucket_size: int = 128
+    # Power iterations per matrix per round (LowRankQuantizeCompressor): compute only, no bytes. The paper does not
+    # say how it factors; PowerSGD's one warm-started iteration lags a pseudo-gradient that moves between rounds.
+    power_iterations: int = 1
     # none | delayed | eager | streaming (the module docstring). A bool is read as it was when this was a switch:
     # True is the paper's delayed update, False none, so `--set overlap=true,false` sweeps keep their meaning.
     overlap: Overlap = field(
@@ -190,6 +193,8 @@ class DiLoCoXConfig:
         if self.rank < 1:
             raise ValueError(f"--rank must be at least 1, got {self.rank}")
         validate_quantization_flags(self.bits, self.bucket_size)
+        if self.power_iterations < 1:
+            raise ValueError(f"--power-iterations must be at least 1, got {self.power_iterations}")
         if self.rank_window < 1:
             raise ValueError(f"--rank-window must be at least 1, got {self.rank_window}")
         if not 0 < self.energy <= 1:
@@ -250,7 +255,9 @@ class DiLoCoX(Method):
         # The dual optimizer of this stage only: the inner AdamW (the base class's) on the local weights, the
         # outer Nesterov on theta.
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
-        self.compressor = LowRankQuantizeCompressor(cfg.rank, cfg.bits, cfg.bucket_size, seed=ctx.seed)
+        self.compressor = LowRankQuantizeCompressor(
+            cfg.rank, cfg.bits, cfg.bucket_size, seed=ctx.seed, power_iterations=cfg.power_iterations
+        )
         self.error_feedback = ErrorFeedback()  # e_i, per parameter name
         self.local_steps = cfg.local_steps  # H_t of the round in progress
         # The window starts full of r_1: an early estimate, from pseudo-gradients of the warm-up, moves r only

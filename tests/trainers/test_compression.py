@@ -375,6 +375,32 @@ def test_low_rank_recovers_a_rank2_matrix(rank: int) -> None:
     assert relative_error(x, compressor.decode(compressor.encode(x, 0), x.shape, 0)) < 1e-4
 
 
+def _decaying_spectrum_matrix(m: int = 200, n: int = 120, decay: float = 0.9) -> torch.Tensor:
+    """A full-rank matrix whose singular values fall geometrically: no rank-r factors are exact, as with a
+    pseudo-gradient, so how close the factors come to the best rank-r approximation shows."""
+    u = torch.linalg.qr(_randn(m, n, seed=11)).Q
+    v = torch.linalg.qr(_randn(n, n, seed=12)).Q
+    return (u * decay ** torch.arange(n, dtype=torch.float32)) @ v.T
+
+
+def test_more_power_iterations_approach_the_best_rank_r_approximation() -> None:
+    x, rank = _decaying_spectrum_matrix(), 8
+    singular_values = torch.linalg.svdvals(x)
+    best = (singular_values[rank:].square().sum() / singular_values.square().sum()).sqrt().item()
+    errors = []
+    for iterations in (1, 2, 8):
+        p, q = low_rank(x, rank, iterations=iterations)
+        errors.append(relative_error(x, p @ q.T))
+    assert errors[0] > errors[1] > errors[2] >= best - 1e-6
+    assert errors[0] > 1.2 * best and errors[2] < 1.02 * best
+    # The compressor passes its setting to every matrix it factors (bits=None: the factors' error alone).
+    one, eight = (LowRankQuantizeCompressor(rank, bits=None, power_iterations=i) for i in (1, 8))
+    assert relative_error(x, one.decode(one.encode(x, 0), x.shape, 0)) == pytest.approx(errors[0], rel=1e-4)
+    assert relative_error(x, eight.decode(eight.encode(x, 0), x.shape, 0)) == pytest.approx(errors[2], rel=1e-4)
+    with pytest.raises(ValueError, match="power_iterations must be >= 1; got 0"):
+        LowRankQuantizeCompressor(rank, power_iterations=0)
+
+
 def test_low_rank_clips_rank_and_falls_back_to_quantizing_small_matrices() -> None:
     p, q = low_rank(_randn(5, 40), rank=16)
     assert p.shape == (5, 5) and q.shape == (40, 5)

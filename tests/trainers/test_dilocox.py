@@ -44,6 +44,7 @@ WORLD = 2
         ({"rank": 0}, "--rank must be at least 1, got 0"),
         ({"bits": 3}, "--bits must be one of 2, 4, 8; got 3"),
         ({"bucket_size": 0}, "--bucket-size"),
+        ({"power_iterations": 0}, "--power-iterations must be at least 1, got 0"),
         ({"rank_window": 0}, "--rank-window"),
         ({"energy": 0.0}, "--energy"),
         ({"energy": 1.5}, "--energy"),
