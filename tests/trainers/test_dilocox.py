@@ -211,7 +211,9 @@ def _train_scenario(rank: int) -> dict:
     model = DecoderLM(get_model_config("tiny"))
     batches = replica_batches(load_corpus(max_bytes=1 << 20), rank, WORLD, batch_size=8, seq_len=64, seed=0)
     ctx = method_context(model, OptimConfig(), steps, dist.group.WORLD)
-    method = build_method("dilocox", method_config("dilocox", {"local_steps": 10, "overlap": "delayed"}), ctx)
+    # r_1 = 32 (not the default 64): at 32 the estimate both falls below r_1 and rises again within 60 steps.
+    options = {"local_steps": 10, "overlap": "delayed", "rank": 32}
+    method = build_method("dilocox", method_config("dilocox", options), ctx)
     losses, reports = [], {}
     for step in range(steps):
         inputs, targets = next(batches)
