@@ -3,6 +3,11 @@
 # well as AllReduce at equal applied tokens. Run from a clean checkout so every summary records git_dirty: false;
 # each sweep resumes where it stopped when rerun. Usage: scripts/convergence-study.sh [OUT_ROOT]
 #
+# Each sweep ran with the defaults of the commit its runs record (environment.json; config.json holds every option).
+# DiLoCoX's defaults changed after these sweeps (r_1 32 -> 64, one -> two power iterations, commit 2062a0e), so a
+# sweep whose DiLoCoX runs rely on defaults (all but those that --set rank and power_iterations) is remade exactly
+# only at its own commit: `git worktree add /tmp/at <commit>` and run its command there.
+#
 # The link is unshaped because the loss does not depend on it (every overlap mode's schedule is counted in steps, not
 # seconds) and a slower link only makes AllReduce take longer. H = 50 for every DiLoCo-family run, so 2000 steps
 # make 40 rounds.
@@ -44,10 +49,10 @@ harness sweep --methods dilocox "${common[@]}" --set rank=64 --set power_iterati
 harness report "$out/convergence-tiny" "$out/convergence-tiny-rank64" "$out/convergence-tiny-power2" \
     --csv "$out/convergence-tiny-power2/comparison.csv" >"$out/convergence-tiny-power2/report.md"
 
-# The small model (width 384, 6 layers): AllReduce, OpenDiLoCo, and three DiLoCoX settings: the default (streaming,
-# r_1 = 32, adaptive), r_1 = 64, and r_1 = 64 with two power iterations. 1,000 steps, 2 seeds, H = 50 (20 rounds).
-# Two sequences per replica per step (1,024 tokens a step over both sites), so that the ten runs fit in ~1.5 hours on
-# 2 cores (~0.5 s a step).
+# The small model (width 384, 6 layers): AllReduce, OpenDiLoCo, and three DiLoCoX settings: the then default
+# (streaming, r_1 = 32, one power iteration, adaptive), r_1 = 64, and r_1 = 64 with two power iterations. 1,000 steps,
+# 2 seeds, H = 50 (20 rounds). Two sequences per replica per step (1,024 tokens a step over both sites), so that the
+# ten runs fit in ~1.5-2 hours on 2 cores (~0.55 s a step).
 small=(--profiles unshaped --seeds 0,1 --model small --steps 1000 --batch-size 2 --eval-every 100 --local-steps 50)
 harness sweep --methods allreduce,opendiloco,dilocox "${small[@]}" --out "$out/convergence-small"
 harness sweep --methods dilocox "${small[@]}" --set rank=64 --out "$out/convergence-small-rank64"
