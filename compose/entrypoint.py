@@ -20,9 +20,10 @@ from pathlib import Path
 
 from pyroute2 import IPRoute
 
-from harness.config import RunConfig
-from harness.profiles import Profile, load_profile
-from harness.shaping import apply_link_spec, read_qdiscs
+from harness.net.link import Profile
+from harness.net.profiles import load_profile
+from harness.net.shaping import apply_link_spec, read_qdiscs
+from harness.run.config import RunConfig
 
 
 def write_config(run_dir: Path, profile: Profile) -> None:
@@ -66,7 +67,7 @@ def unshape(devices: list[str]) -> None:
 
 def main() -> int:
     if len(sys.argv) < 2:
-        sys.exit("usage: harness-entrypoint COMMAND [ARG...]  (e.g. torchrun ... -m harness.worker --run-dir DIR)")
+        sys.exit("usage: harness-entrypoint COMMAND [ARG...]  (e.g. torchrun ... -m harness.run.worker --run-dir DIR)")
     ifname = os.environ.get("SHAPE_IFNAME", "eth0")
     profile = load_profile(os.environ.get("PROFILE", "1gbps"))
     write_config(Path(os.environ["HARNESS_RUN_DIR"]), profile)

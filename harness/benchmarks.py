@@ -9,9 +9,9 @@ import subprocess
 import time
 
 from harness.backends import make_backend
-from harness.ownership import RunLock
-from harness.profiles import LinkSpec, Profile
-from harness.topology import Topology
+from harness.net.link import LinkSpec, Profile
+from harness.net.topology import Topology
+from harness.run.lock import RunLock
 
 
 def cluster_lifecycle(profile: Profile, clusters: int, stages: int, repeats: int) -> dict[str, float]:
@@ -48,7 +48,7 @@ def delay_line_goodput(
 ) -> list[dict]:
     """One TCP stream between two clusters: without the delay line, then through it at each RTT; median goodput.
 
-    With `loss_pct` > 0 the delay line handles wire-sized packets (GSO capped, harness/delayline.py): a tiny loss
+    With `loss_pct` > 0 the delay line handles wire-sized packets (GSO capped, harness/net/delayline.py): a tiny loss
     (0.0001%) measures its per-packet ceiling, a real one what TCP makes of it.
 
     Each row also gives the bound a single stream's window sets at that RTT: the smaller of the sender's and the
@@ -57,7 +57,7 @@ def delay_line_goodput(
     `window_bytes` clamps the receiver's window to that (TCP_WINDOW_CLAMP), e.g. to the 2 MiB gloo's ring
     all-reduce keeps in flight; the bound is then that window over the RTT.
     """
-    from harness.linkprobe import tcp_goodput_bps
+    from harness.net.linkprobe import tcp_goodput_bps
 
     rows = []
     for emulator, rtt_ms in [(None, 0.0), *(("userspace", rtt) for rtt in rtts_ms)]:

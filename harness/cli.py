@@ -22,9 +22,9 @@ from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from harness.config import RunConfig
 from harness.errors import UserError
-from harness.profiles import load_profile
+from harness.net.profiles import load_profile
+from harness.run.config import RunConfig
 from harness.units import format_rate
 from trainers.config import OptimConfig, TrainConfig
 from trainers.registry import method_names
@@ -152,7 +152,7 @@ def main() -> None:
 
 
 def _reexec_if_unprivileged() -> None:
-    from harness.backends.netns import REEXEC_MARK, die_with_outer_harness, needs_reexec, reexec_in_user_namespace
+    from harness.userns import REEXEC_MARK, die_with_outer_harness, needs_reexec, reexec_in_user_namespace
 
     if os.environ.get(REEXEC_MARK):
         die_with_outer_harness()
@@ -361,8 +361,8 @@ def _link_emulator_flag(default: str | None = "auto"):
 @train_option_flags
 def run(method, profile, clusters, stages, out, calibrate, backend, link_emulator, faults, gpus, **settings):
     """Train one method on the emulated cluster and write a results folder."""
-    from harness.runner import run as run_benchmark
-    from harness.runner import validate
+    from harness.run.runner import run as run_benchmark
+    from harness.run.runner import validate
 
     config = RunConfig.build(
         method,
@@ -409,8 +409,8 @@ def _signals_belong_to_the_run() -> None:
 @_link_emulator_flag()
 def calibrate(profile, clusters, out, backend, link_emulator):
     """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
-    from harness.runner import run as run_benchmark
-    from harness.runner import validate
+    from harness.run.runner import run as run_benchmark
+    from harness.run.runner import validate
 
     config = RunConfig.build(
         "allreduce",
@@ -449,7 +449,7 @@ def profiles() -> None:
 @profiles.command("list")
 def profiles_list() -> None:
     """The named profiles: the inter-cluster link's rate, round-trip time and loss side by side."""
-    from harness.profiles import profiles_table_rows
+    from harness.net.profiles import profiles_table_rows
 
     table = Table("name", "rate", "RTT", "jitter", "loss", "description")
     for column in table.columns[:-1]:
@@ -467,9 +467,9 @@ def profiles_list() -> None:
 @click.option("--allow-reorder", is_flag=True, help="Export jitter although netem (which tcset drives) reorders.")
 def profiles_export(name: str, fmt: str, device: str, out: str, allow_reorder: bool) -> None:
     """Write a profile's inter-cluster link for real hosts: `tcset --import-setting FILE` on each site's NIC."""
-    from harness.tcconfig import write_tcconfig
+    from harness.net.tcconfig import write_tcconfig
 
-    write_tcconfig(name, out, device=device, allow_reorder=allow_reorder)
+    write_tcconfig(load_profile(name), out, device=device, allow_reorder=allow_reorder)
 
 
 @profiles.command("show")
@@ -520,7 +520,7 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
 def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int, loss: str, window_bytes: int | None) -> None:
     """Benchmark the userspace delay line: one TCP stream without it and through it at each RTT."""
     from harness.benchmarks import delay_line_goodput
-    from harness.profiles import parse_loss_pct, parse_rate_bps
+    from harness.net.link import parse_loss_pct, parse_rate_bps
 
     rate_bps = None if rate == "none" else parse_rate_bps(rate)
     loss_pct = parse_loss_pct(loss)
@@ -556,7 +556,7 @@ def cleanup(run_key: str | None, results_dirs: tuple[Path, ...]) -> None:
 
     Only runs whose harness is provably dead (its run lock is free) are touched, never a live run's.
     """
-    from harness.ownership import cleanup as cleanup_runs
+    from harness.cleanup import cleanup as cleanup_runs
 
     report = cleanup_runs(run_key, list(results_dirs) or None)
     for sentence in report.not_checked:
@@ -576,7 +576,7 @@ def doctor() -> None:
     console.print(table)
 
 
-# --- sweeps, reports, figures, regime matching and the CI gate (harness/sweep.py, report.py, plots.py, ...) ---
+# --- sweeps, reports, figures, regime matching and the CI gate (harness/analysis/) ---
 
 
 def _cluster_flags(command):
@@ -671,8 +671,8 @@ def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, forc
     """
     import shlex
 
-    from harness.projection import regime_profile
-    from harness.sweep import SweepInterrupted, SweepSpec, parse_set, per_method_settings, run_sweep
+    from harness.analysis.regime import regime_profile
+    from harness.analysis.sweep import SweepInterrupted, SweepSpec, parse_set, per_method_settings, run_sweep
 
     settings = {k: v for k, v in flags.items() if v is not None}
     spec = SweepSpec(
@@ -724,7 +724,7 @@ def regime(target, out, seed, **flags):
     """
     import tempfile
 
-    from harness.projection import check_request, derive_regime, write_regime_profile
+    from harness.analysis.regime import check_request, derive_regime, write_regime_profile
 
     del seed  # accepted like sweep's flags; weights' seed does not change compute time
     settings = {k: v for k, v in flags.items() if v is not None}
@@ -760,7 +760,15 @@ def report(results, target_loss, csv_path, parquet_path, tables):
     validation loss, and tokens and time to the target loss. Where sites differ in rate or there are more than two,
     a per-site table follows: each site's wire bytes and the time its replica waited on the link.
     """
-    from harness.report import comparison, load_runs, markdown, site_comparison, write_csv, write_parquet, write_tables
+    from harness.analysis.report import (
+        comparison,
+        load_runs,
+        markdown,
+        site_comparison,
+        write_csv,
+        write_parquet,
+        write_tables,
+    )
 
     loaded = load_runs(list(results))
     compared = comparison(loaded, target_loss)
@@ -819,7 +827,7 @@ def project(
 ):  # fmt: skip
     """Predict tokens/s and wire bytes per token from measured compute, a link model and the method's schedule.
 
-    The model (harness/perfmodel.py): a step takes its compute plus the part of each exchange that the compute
+    The model (harness/analysis/project.py): a step takes its compute plus the part of each exchange that the compute
     beside it does not hide; an exchange's time is its bytes over min(efficiency x the slowest site's rate, TCP
     window / RTT) plus a round trip per hand-over (gloo's all-reduce hands over two 1 MiB segments at a time).
     Compute comes from --compute-from (this machine, scaled by FLOPs), --compute-s, or a target accelerator
@@ -827,13 +835,13 @@ def project(
     """
     import json
 
-    from harness import perfmodel
-    from harness.report import markdown_table
+    from harness.analysis import project as project_model
+    from harness.analysis.report import markdown_table
 
     if validate_results:
         if not compute_from:
             raise click.UsageError("--validate needs --compute-from: runs of the same settings on an unshaped link")
-        rows = perfmodel.validate(list(validate_results), list(compute_from))
+        rows = project_model.validate(list(validate_results), list(compute_from))
         header = ["model", "profile", "method", "n", "measured tokens/s", "predicted", "error"]
         cells = [
             [r["model"], r["profile"], r["method"], str(r["n"]),
@@ -843,15 +851,15 @@ def project(
         ]  # fmt: skip
         click.echo(markdown_table(header, cells, text_columns=3))
         worst = max(rows, key=lambda r: abs(r["error"]))
-        within = sum(abs(r["error"]) <= perfmodel.VALIDATION_TOLERANCE for r in rows)
+        within = sum(abs(r["error"]) <= project_model.VALIDATION_TOLERANCE for r in rows)
         click.echo(
-            f"\n{within} of {len(rows)} within {perfmodel.VALIDATION_TOLERANCE:.0%}; largest error "
+            f"\n{within} of {len(rows)} within {project_model.VALIDATION_TOLERANCE:.0%}; largest error "
             f"{worst['error']:+.1%} ({worst['method']} on {worst['profile']}, model {worst['model']})"
         )
         if csv_path:
             import pandas as pd
 
-            from harness.report import write_csv
+            from harness.analysis.report import write_csv
 
             _print_text(f"wrote {write_csv(pd.DataFrame(rows), csv_path)}")
         if json_path:
@@ -862,15 +870,15 @@ def project(
     if accelerator_tflops is not None or accelerators_per_site is not None or mfu is not None:
         if None in (accelerator_tflops, accelerators_per_site, mfu):
             raise click.UsageError("--accelerator-tflops, --accelerators-per-site and --mfu go together")
-        accelerator = perfmodel.Accelerator(accelerator_tflops, accelerators_per_site, mfu)
+        accelerator = project_model.Accelerator(accelerator_tflops, accelerators_per_site, mfu)
     settings = {"batch_size": batch_size, "seq_len": seq_len, **options}
-    prediction = perfmodel.project(
+    prediction = project_model.project(
         method, model, profile, clusters, settings, list(compute_from), compute_s, accelerator,
-        perfmodel.DEFAULT_EFFICIENCY if efficiency is None else efficiency, window_bytes,
+        project_model.DEFAULT_EFFICIENCY if efficiency is None else efficiency, window_bytes,
     )  # fmt: skip
     for line in prediction.describe():
         _print_text(line)
-    _print_text("assumptions: " + "; ".join(perfmodel.ASSUMPTIONS))
+    _print_text("assumptions: " + "; ".join(project_model.ASSUMPTIONS))
     if json_path:
         Path(json_path).write_text(json.dumps(prediction.record(), indent=2) + "\n")
         _print_text(f"wrote {json_path}")
@@ -881,8 +889,8 @@ def project(
 @click.option("--out", type=click.Path(path_type=Path), help="Figure folder [default: RESULTS/figures].")
 def plot(results, out):
     """Loss, throughput and step-time figures (PNG and SVG), one set per profile and model."""
-    from harness.plots import plot_all
-    from harness.report import load_runs
+    from harness.analysis.plots import plot_all
+    from harness.analysis.report import load_runs
 
     written = plot_all(load_runs(list(results)), out or results[0] / "figures")
     for path in written:
@@ -913,7 +921,7 @@ def check(baseline, results, repeats, out):
     """
     import tempfile
 
-    from harness.regress import check, load_baseline, results_table, run_needed
+    from harness.analysis.gate import check, load_baseline, results_table, run_needed
 
     spec = load_baseline(baseline)
     if results is None:
@@ -940,11 +948,11 @@ def check(baseline, results, repeats, out):
 def baseline_command(results, out):
     """Write a baseline for `harness check` from RESULTS, a folder of repeats (a sweep with --repeats 3).
 
-    Every method gets two-sided bands (module doc of harness/regress.py): reference = the median over its repeats,
+    Every method gets two-sided bands (module doc of harness/analysis/gate.py): reference = the median over its repeats,
     tolerance = max(floor, 3 x their relative spread). RESULTS must hold allreduce and local runs and one
     configuration per method. The file's header holds the one command that regenerates it.
     """
-    from harness.regress import bands_table, write_baseline
+    from harness.analysis.gate import bands_table, write_baseline
 
     derived = write_baseline(results, out)
     click.echo(bands_table(derived.baseline))

@@ -6,10 +6,10 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from harness.backends.netns import user_namespaces_work
-from harness.profiles import max_shapeable_rate_bps
-from harness.shaping import probe_qdiscs
+from harness.net.profiles import max_shapeable_rate_bps
+from harness.net.shaping import probe_qdiscs
 from harness.units import format_rate
+from harness.userns import user_namespaces_work
 
 
 @dataclass

@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Protocol
 
 from harness.errors import UserError
-from harness.profiles import Profile
-from harness.topology import Topology
+from harness.net.link import Profile
+from harness.net.topology import Topology
 
 
 class Worker(Protocol):

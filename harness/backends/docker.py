@@ -38,11 +38,12 @@ from docker.types import DeviceRequest
 from pyroute2 import IPRoute, NetNS
 
 import harness
-from harness.counters import interface_counters
 from harness.errors import UserError
-from harness.profiles import Profile
-from harness.shaping import apply_link_spec, read_qdiscs
-from harness.topology import Topology
+from harness.net.counters import interface_counters
+from harness.net.link import Profile
+from harness.net.shaping import apply_link_spec, read_qdiscs
+from harness.net.topology import Topology
+from harness.run.lock import RUN_KEY, owner_alive
 
 DEFAULT_IMAGE = "harness-worker:dev"
 IMAGE_ENV = "HARNESS_DOCKER_IMAGE"
@@ -355,33 +356,27 @@ class DockerCluster:
         self.teardown_s = time.perf_counter() - started
 
 
-def _remove_run(
-    client: docker.DockerClient, run_key: str, report: harness.ownership.CleanupReport | None = None
-) -> list[str]:
-    """Remove the containers (ranks before the cluster containers they join) and network of `run_key`; returns their
-    names, and adds them to `report`'s containers and networks when given."""
+def _remove_run(client: docker.DockerClient, run_key: str) -> tuple[list[str], list[str]]:
+    """Remove the containers (ranks before the cluster containers they join) and network of `run_key`; returns the
+    names of the containers and of the networks removed."""
     selector = {"label": f"{RUN_KEY_LABEL}={run_key}"}
-    removed = []
+    containers_removed, networks_removed = [], []
     containers = client.containers.list(all=True, filters=selector)
     for container in sorted(containers, key=lambda c: c.labels.get("harness.role") != "rank"):
         if container.name.startswith(f"{run_key}-"):
             try:
                 container.remove(force=True)
-                removed.append(container.name)
-                if report is not None:
-                    report.containers.append(container.name)
+                containers_removed.append(container.name)
             except docker.errors.NotFound:
                 pass
     for network in client.networks.list(filters=selector):
         if network.name.startswith(f"{run_key}-"):
             try:
                 network.remove()
-                removed.append(network.name)
-                if report is not None:
-                    report.networks.append(network.name)
+                networks_removed.append(network.name)
             except docker.errors.NotFound:
                 pass
-    return removed
+    return containers_removed, networks_removed
 
 
 def _harness_alive(pid: str, created: float | None = None) -> bool:
@@ -404,19 +399,17 @@ def _harness_alive(pid: str, created: float | None = None) -> bool:
         return False
 
 
-def cleanup(run_key: str | None = None, report: harness.ownership.CleanupReport | None = None) -> list[str]:
-    """Remove the containers and networks of runs whose harness died without tearing down (SIGKILL); returns their
-    names (and adds them to `report` when given).
+def cleanup(run_key: str | None = None) -> tuple[list[str], list[str]]:
+    """Remove the containers and networks of runs whose harness died without tearing down (SIGKILL); returns the
+    names of the containers and of the networks removed.
 
-    Only objects labelled with a run key are considered. Ownership decides (harness/ownership.py): a run's objects are
+    Only objects labelled with a run key are considered. Ownership decides (harness/run/lock.py): a run's objects are
     removed when its lock file exists and is free (its owner is dead), kept when the lock is held; a run without a
     lock file (a harness of an older version) is kept while its owner pid label names a harness process that was
     running when the objects were made. With `run_key`, only that run's.
     """
     import re
     from datetime import datetime
-
-    from harness.ownership import RUN_KEY, owner_alive
 
     def created_at(text: str | None) -> float | None:
         # The engine writes "2026-01-31T12:34:56.123456789Z" (or an offset), more digits than Python parses.
@@ -436,13 +429,15 @@ def cleanup(run_key: str | None = None, report: harness.ownership.CleanupReport 
             key = labels.get(RUN_KEY_LABEL, "")
             if RUN_KEY.match(key):  # anything else is not a run of ours
                 owners.setdefault(key, []).append((labels.get(OWNER_LABEL, ""), created_at(created)))
-        removed = []
+        containers, networks = [], []
         for key, owned in sorted(owners.items()):
             alive = owner_alive(key)
             if alive is None:
                 alive = any(_harness_alive(pid, created) for pid, created in owned)
             if not alive:
-                removed += _remove_run(client, key, report)
-        return removed
+                removed = _remove_run(client, key)
+                containers += removed[0]
+                networks += removed[1]
+        return containers, networks
     finally:
         client.close()

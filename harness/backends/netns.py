@@ -10,9 +10,9 @@ incast from several clusters is shaped too).
 
 Delay, jitter and loss (a profile's WAN part) come from one of two link emulators, each applying half of the
 profile's one-way figures per link so that the path between two clusters (two links) has them:
-  netem      sch_netem on both veth ends, tbf as its child (harness/shaping.py);
+  netem      sch_netem on both veth ends, tbf as its child (harness/net/shaping.py);
   userspace  where the kernel has no sch_netem: the bridge-side veth end leaves the bridge, a TAP device
-             <key>-t<c> takes its place, and a delay-line process per cluster (harness/delayline.py) forwards
+             <key>-t<c> takes its place, and a delay-line process per cluster (harness/net/delayline.py) forwards
              between them; with loss, the cluster's uplink sends one TCP segment per frame (GSO capped), so the
              delay line drops wire-sized packets. The processes die with the harness (parent-death signal), and
              their TAPs with them.
@@ -30,7 +30,6 @@ import dataclasses
 import os
 import re
 import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -39,95 +38,20 @@ from pathlib import Path
 
 from pyroute2 import NetNS, netns
 
-from harness.counters import interface_counters
-from harness.delayline import TAP_PREFIX
-from harness.errors import UserError
-from harness.process import set_parent_death_signal
-from harness.profiles import Profile
-from harness.shaping import apply_link_spec, change_link_rate, read_qdiscs
-from harness.topology import Topology
+from harness.net.counters import interface_counters
+from harness.net.delayline import TAP_PREFIX
+from harness.net.link import Profile
+from harness.net.shaping import apply_link_spec, change_link_rate, read_qdiscs
+from harness.net.topology import Topology
+from harness.run.lock import owner_alive
 
 NETNS_DIR = Path(netns.NETNS_RUN_DIR)
-REEXEC_MARK = "HARNESS_IN_USERNS"
 # The names this backend gives its namespaces: the run key ("hx" + 6 hex digits), then the switch or a cluster.
 OWN_NETNS = re.compile(r"^(hx[0-9a-f]{6})-(sw|c[0-9]+)$")
 # The uplinks' GSO cap under the userspace emulator with loss: one full-size Ethernet frame, one TCP segment each.
 GSO_WIRE_BYTES = 1514
 # How long a delay line may take to create its TAP device and say it is ready.
 DELAY_LINE_START_S = 20.0
-
-
-class PrivilegeError(UserError):
-    """Neither root nor user namespaces: the netns backend cannot create its namespaces."""
-
-
-def user_namespaces_work() -> bool:
-    try:
-        return (
-            subprocess.run(
-                ["unshare", "--user", "--map-root-user", "--net", "--mount", "true"],
-                capture_output=True,
-                timeout=10,
-            ).returncode
-            == 0
-        )
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def needs_reexec() -> bool:
-    """True when the harness must re-enter itself in a user namespace to build the cluster.
-
-    HARNESS_USERNS=always takes that path as root too: the run then touches nothing of the host's network (its
-    namespaces live and die in a private one), and the unprivileged path can be tested where root is all there is.
-    """
-    if os.geteuid() == 0 and os.environ.get("HARNESS_USERNS") != "always":
-        return False
-    if not user_namespaces_work():
-        raise PrivilegeError(
-            "the netns backend needs root or unprivileged user namespaces, and this machine allows neither; "
-            "run as root (sudo) or enable them (sysctl kernel.unprivileged_userns_clone=1 / "
-            "user.max_user_namespaces > 0)"
-        )
-    return True
-
-
-def reexec_in_user_namespace(argv: list[str]) -> int:
-    """Run `harness <argv>` again as root of a fresh user, network and mount namespace; returns its exit code.
-
-    /run/netns belongs to the real root, so a private tmpfs is mounted over it (or over /run when it is missing)
-    inside the new mount namespace; the host's /run is untouched. SIGINT and SIGTERM sent to this process are
-    passed on to the inner harness, which tears its run down and exits; this process waits for it and exits with
-    its code. Should this process die anyway, the inner harness gets SIGTERM (see `die_with_outer_harness`).
-    """
-    mount = "mount -t tmpfs harness /run/netns 2>/dev/null || { mount -t tmpfs harness /run && mkdir -p /run/netns; }"
-    command = f"{mount} && exec {shlex.join([sys.executable, '-m', 'harness.cli', *argv])}"
-    env = {**os.environ, REEXEC_MARK: str(os.getpid())}
-    inner = subprocess.Popen(["unshare", "--user", "--map-root-user", "--net", "--mount", "sh", "-c", command], env=env)
-
-    def forward(signum: int, frame: object) -> None:
-        inner.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return inner.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def die_with_outer_harness() -> None:
-    """In the inner harness of a re-exec: SIGTERM when the outer one dies, so the run is torn down, not orphaned.
-
-    Set here rather than before the exec: entering a user namespace changes credentials, which clears the
-    parent-death signal.
-    """
-    outer = os.environ.get(REEXEC_MARK, "")
-    if not outer.isdigit():
-        return
-    set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != int(outer):
-        sys.exit("harness: the outer harness exited before this run started")
 
 
 class NetnsCluster:
@@ -229,10 +153,10 @@ class NetnsCluster:
         self.setup_s = time.perf_counter() - started
 
     def _start_delay_line(self, cluster: int) -> None:
-        # The cluster's own hop: the inter_cluster link's half, or the site's (harness/profiles.py).
+        # The cluster's own hop: the inter_cluster link's half, or the site's (harness/net/profiles.py).
         spec = self.profile.uplink(cluster)
         argv = [
-            sys.executable, "-m", "harness.delayline", "--run-key", self.key,
+            sys.executable, "-m", "harness.net.delayline", "--run-key", self.key,
             "--veth", self.downlink(cluster), "--tap", self.tap(cluster),
             "--delay-ms", repr(spec.hop_delay_ms), "--jitter-ms", repr(spec.hop_jitter_ms),
             "--loss-pct", repr(spec.hop_loss_pct), "--seed", str(self.seed * 1000 + cluster),
@@ -371,7 +295,7 @@ def _processes_in(ns_path: Path) -> list[int]:
 
 def _stop_delay_lines(run_key: str, switch_namespaces: list[Path]) -> None:
     """SIGKILL the delay lines of dead run `run_key` that outlived it (their parent-death signal normally stops them):
-    only processes in its switch namespace that run harness.delayline for that run key, by PID."""
+    only processes in its switch namespace that run harness.net.delayline for that run key, by PID."""
     for ns_path in switch_namespaces:
         try:
             pids = _processes_in(ns_path)
@@ -382,7 +306,7 @@ def _stop_delay_lines(run_key: str, switch_namespaces: list[Path]) -> None:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"harness.delayline" in argv and run_key.encode() in argv:
+            if b"harness.net.delayline" in argv and run_key.encode() in argv:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -394,13 +318,12 @@ def cleanup(run_key: str | None = None, not_checked: list[str] | None = None) ->
 
     Ownership decides, not emptiness (a run's switch namespace never has a process, nor do its cluster namespaces
     before the workers start): a run's namespaces, all of them, are removed when its lock file exists and is free
-    (harness/ownership.py: its owner is dead), or when it has no lock file (a harness of an older version) and no
+    (harness/run/lock.py: its owner is dead), or when it has no lock file (a harness of an older version) and no
     process lives in any of them. A run whose lock is held is never touched. With `run_key`, only that run's.
 
     /run/netns is root's: another user cannot tell whether their run lives nor remove them, so they are skipped and
     a sentence saying so is appended to `not_checked` (as is one for namespaces that could not be read or removed).
     """
-    from harness.ownership import owner_alive
 
     not_checked = [] if not_checked is None else not_checked
     try:

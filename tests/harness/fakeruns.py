@@ -1,7 +1,7 @@
 """Structurally real run folders with made-up numbers, for testing what reads results (report, plots, check).
 
 They are written the way a run writes them: RunConfig.save for config.json, one JSONL event file per rank with
-start/eval/step/end events, ranks/rank<R>.json, and summary.json from harness.results.summarize itself, so the
+start/eval/step/end events, ranks/rank<R>.json, and summary.json from harness.run.summary.summarize itself, so the
 readers see exactly the layout a real run leaves. The numbers are chosen by the test; they are not measurements.
 """
 
@@ -11,8 +11,8 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness.results import summarize
-from harness.sweep import build_config
+from harness.analysis.sweep import build_config
+from harness.run.summary import summarize
 
 T0 = 1_800_000_000.0
 EVAL_S = 0.5

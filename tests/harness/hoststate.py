@@ -20,7 +20,7 @@ def link_names() -> set[str]:
 
 
 def worker_pids(run_dir: str) -> list[int]:
-    """PIDs of the workers of exactly one run: `python -m harness.worker --run-dir RUN_DIR`, matched argument by
+    """PIDs of the workers of exactly one run: `python -m harness.run.worker --run-dir RUN_DIR`, matched argument by
     argument, so a test never touches another run's processes."""
     found = []
     for entry in Path("/proc").iterdir():
@@ -30,7 +30,7 @@ def worker_pids(run_dir: str) -> list[int]:
             argv = (entry / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "harness.worker" in argv and "--run-dir" in argv and run_dir in argv:
+        if "harness.run.worker" in argv and "--run-dir" in argv and run_dir in argv:
             found.append(int(entry.name))
     return found
 

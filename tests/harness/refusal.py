@@ -15,9 +15,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 import harness.cli as cli
-import harness.config
-import harness.runner as runner
-from harness.backends import netns as netns_backend
+import harness.run.config
+import harness.run.runner as runner
+from harness import userns
 from tests.harness.hoststate import link_names, netns_names
 
 # The kernel creates ifb0/ifb1 in the host namespace when the ifb module is first loaded (the qdisc probe may do
@@ -51,17 +51,17 @@ def harness_cli(tmp_path, monkeypatch):
     """Run `harness ARGS` in tmp_path on a 2-core machine; returns (result, host state before, after)."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    for var in ("HARNESS_MAX_RATE", "HARNESS_TIMEOUT_S", netns_backend.REEXEC_MARK):
+    for var in ("HARNESS_MAX_RATE", "HARNESS_TIMEOUT_S", userns.REEXEC_MARK):
         monkeypatch.delenv(var, raising=False)
     # What a pipe or a CI log gets, whatever terminal runs the tests.
     monkeypatch.setattr(cli.console, "_width", 80)
-    monkeypatch.setattr(harness.config.secrets, "token_hex", lambda nbytes: TEST_KEY_HEX)
+    monkeypatch.setattr(harness.run.config.secrets, "token_hex", lambda nbytes: TEST_KEY_HEX)
 
     def started(*args, **kwargs):
         raise RunStarted("validation passed and the run started")
 
     monkeypatch.setattr(runner, "run", started)
-    monkeypatch.setattr(netns_backend, "reexec_in_user_namespace", started)
+    monkeypatch.setattr(userns, "reexec_in_user_namespace", started)
 
     def invoke(args: list[str]) -> tuple[Result, dict, dict]:
         before = host_state(tmp_path)

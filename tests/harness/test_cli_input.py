@@ -19,12 +19,12 @@ import pytest
 from click.testing import CliRunner
 
 import harness.cli as cli
-import harness.runner as runner
-from harness.backends import netns as netns_backend
-from harness.config import RunConfig
+import harness.run.runner as runner
+from harness import userns
 from harness.errors import UserError
-from harness.profiles import known_profiles, load_profile
-from harness.shaping import probe_qdiscs
+from harness.net.profiles import known_profiles, load_profile
+from harness.net.shaping import probe_qdiscs
+from harness.run.config import RunConfig
 from tests.harness.refusal import (
     RunStarted,
     assert_refused,
@@ -49,8 +49,8 @@ class Case:
 
 
 def no_privileges(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netns_backend.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(netns_backend, "user_namespaces_work", lambda: False)
+    monkeypatch.setattr(userns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(userns, "user_namespaces_work", lambda: False)
 
 
 BAD_YAML = "description: x\ninter_cluster:\n  rate: 1gbit\n burst: 256kb\n"
@@ -237,7 +237,7 @@ def test_bad_input_error_is_one_line(case, harness_cli, tmp_path, monkeypatch):
 
 def test_good_input_reaches_the_run_and_creates_nothing_before(harness_cli, tmp_path, monkeypatch):
     """The control: the same harness accepts good input, so the refusals above are about the input."""
-    monkeypatch.setattr(netns_backend, "needs_reexec", lambda: False)
+    monkeypatch.setattr(userns, "needs_reexec", lambda: False)
     result, before, after = harness_cli(["run", "--profile", "1gbps", "--steps", "3", "--out", str(tmp_path / "o")])
     assert isinstance(result.exception, RunStarted), result.output
     assert after == before
@@ -286,8 +286,8 @@ def test_validate_returns_the_default_results_folder(tmp_path, monkeypatch):
 
 def test_no_root_and_no_user_namespaces_is_a_clear_error(monkeypatch):
     no_privileges(monkeypatch)
-    with pytest.raises(netns_backend.PrivilegeError) as err:
-        netns_backend.needs_reexec()
+    with pytest.raises(userns.PrivilegeError) as err:
+        userns.needs_reexec()
     message = str(err.value)
     assert "needs root or unprivileged user namespaces" in message
     assert "run as root (sudo)" in message
@@ -296,18 +296,18 @@ def test_no_root_and_no_user_namespaces_is_a_clear_error(monkeypatch):
 
 
 def test_no_root_with_user_namespaces_reexecs(monkeypatch):
-    monkeypatch.setattr(netns_backend.os, "geteuid", lambda: 1000)
-    monkeypatch.setattr(netns_backend, "user_namespaces_work", lambda: True)
-    assert netns_backend.needs_reexec() is True
+    monkeypatch.setattr(userns.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(userns, "user_namespaces_work", lambda: True)
+    assert userns.needs_reexec() is True
 
 
 def test_root_needs_no_reexec_and_no_probe(monkeypatch):
     def probe():
         raise AssertionError("root must not probe user namespaces")
 
-    monkeypatch.setattr(netns_backend.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(netns_backend, "user_namespaces_work", probe)
-    assert netns_backend.needs_reexec() is False
+    monkeypatch.setattr(userns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(userns, "user_namespaces_work", probe)
+    assert userns.needs_reexec() is False
 
 
 # --- the other commands -----------------------------------------------------------------------------------------

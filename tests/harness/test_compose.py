@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from harness.backends.netns import user_namespaces_work
+from harness.userns import user_namespaces_work
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = [shutil.which("docker-compose") or "docker-compose"]
@@ -69,13 +69,13 @@ def test_two_hosts_use_host_networking_and_insist_on_the_master_and_nic():
 _DRIVER = """
 import json, subprocess, sys
 from pyroute2 import IPRoute
-from harness.shaping import read_qdiscs
+from harness.net.shaping import read_qdiscs
 with IPRoute() as ip:
     ip.link("add", ifname="eth0", kind="veth", peer="peer0")
     for name in ("eth0", "peer0"):
         ip.link("set", index=ip.link_lookup(ifname=name)[0], state="up")
 probe = (
-    "import json, os; from pyroute2 import IPRoute; from harness.shaping import read_qdiscs; "
+    "import json, os; from pyroute2 import IPRoute; from harness.net.shaping import read_qdiscs; "
     "print(json.dumps({'qdiscs': read_qdiscs(IPRoute(), 'eth0'), 'ifname': os.environ['GLOO_SOCKET_IFNAME']}))"
 )
 inside = subprocess.run([sys.executable, sys.argv[1], sys.executable, "-c", probe], capture_output=True, text=True)

@@ -7,9 +7,9 @@ import torch
 from click.testing import CliRunner
 
 import harness.cli as cli
-import harness.runner
-from harness.config import RunConfig
-from harness.sweep import build_config, check_keys, parse_set
+import harness.run.runner
+from harness.analysis.sweep import build_config, check_keys, parse_set
+from harness.run.config import RunConfig
 from trainers.config import TrainConfig
 from trainers.data import (
     SHIFT_SEGMENTS,
@@ -200,7 +200,7 @@ def test_the_cli_and_sweeps_pass_the_setting_through(monkeypatch):
         seen["config"] = config
         raise Parsed
 
-    monkeypatch.setattr(harness.runner, "validate", stop)
+    monkeypatch.setattr(harness.run.runner, "validate", stop)
     result = CliRunner().invoke(cli.main, ["run", "--data-shift", "50"])
     assert isinstance(result.exception, Parsed), result.output
     assert seen["config"].train.data_shift == 50

@@ -72,7 +72,7 @@ def _cases(stages: int) -> list[tuple[str, int]]:
 
 
 def _cluster_ranks(cluster: int, stages: int) -> list[int]:
-    """Rank = cluster * stages + stage, as in harness/topology.py."""
+    """Rank = cluster * stages + stage, as in harness/net/topology.py."""
     return list(range(cluster * stages, (cluster + 1) * stages))
 
 

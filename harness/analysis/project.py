@@ -1,0 +1,527 @@
+"""`harness project`: predicted tokens/s and wire bytes per token of a method, from three parts kept apart.
+
+(a) compute: seconds per training step that are not spent waiting on the link (forward, backward, optimizer, the
+    method's own compression), per step, `compute_s`. Measured on this machine: the mean over a run's steps after
+    its throughput warm-up of step_s - sync_blocked_s on rank 0, from a run of the same method and settings (on an
+    unshaped link, where waiting is short, it is measured apart from it). For a model this machine cannot train, from
+    a target accelerator: 6 N tokens per site per step / (accelerators x peak FLOP/s x MFU).
+(b) the link: the slowest site's rate (min of every site's uplink and downlink), the longest round trip between two
+    sites, and what TCP gets out of them: goodput = min(efficiency x rate, window / RTT). A collective pays a round
+    trip for every hand-over on top of its bytes:
+        all-reduce of B bytes over n sites    2(n-1)/n B / goodput + turns x RTT: gloo's ring moves B as s =
+                                              max(B / 1 MiB, 2n) segments, two in flight, so turns =
+                                              2 ceil(s (n-1)/n / 2), which is 2(n-1) for a small B
+        all-gather of p bytes from each site  (n-1) p / goodput + (n-1) RTT
+(c) the schedule: the bytes each exchange sends (from the method's own compressor and its settings: H, r, q), how
+    many steps apart exchanges are, and how many steps of compute run while one is in flight:
+        allreduce   fp32 gradients, all-reduce, every step, blocking
+        opendiloco  pseudo-gradients in --pseudo-grad-dtype, all-reduce, every H steps, blocking
+        cocktail    sparsified and quantized deltas, all-gather, every step, hidden behind the next step
+        dilocox     rank-r int-q factors (or fp16 without compression), all-gather (all-reduce), every H steps,
+                    hidden behind tau steps (streaming), H steps (delayed, eager) or none; with adaptation, the
+                    rank estimate's small all-reduce beside it (the longer of the two sets the exchange's time)
+    A step then takes compute_s + max(0, exchange_s - hidden_steps x hide_s) / every_steps, where hide_s is the
+    forward and backward part of compute_s (the events' compute_s), what runs while an exchange is in flight.
+
+Assumptions (each printed with the prediction): DiLoCoX's schedule is H_1 and r_1 throughout (adaptation lowers r
+and raises H, so bytes are at most this); DiLoCoX's compression time is in compute_s as measured, and taken as part
+of the FLOPs scaling (or ignored) for an accelerator; pipeline stages within a site do not change what a site's
+uplink carries (the whole model crosses it, stage by stage); one exchange at a time on the link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.errors import UserError
+from harness.net.link import Profile
+from harness.run.config import RunConfig, check_finite_options, check_method_options
+from harness.run.events import read_events
+from harness.units import format_rate
+from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
+from trainers.compression import LowRankQuantizeCompressor, SparseQuantizeCompressor
+from trainers.models import DecoderLM, count_parameters, get_model_config
+from trainers.registry import method_config
+
+# Payload bytes per wire byte that a gloo all-reduce reaches on a tbf-shaped link (calibrate: busbw 0.92-0.95 of the
+# rate at 2-8 clusters; a 1448-byte segment in a 1514-byte frame is 0.956 before ACKs).
+DEFAULT_EFFICIENCY = 0.94
+# Bytes TCP keeps in flight per connection: a single stream through a 40 ms delay line reached 554 Mbit/s with
+# net.ipv4.tcp_wmem's maximum at 4 MiB (README, "Real WAN links"), 2.77 MB in flight: two thirds of the maximum.
+WINDOW_SHARE_OF_WMEM = 2 / 3
+# gloo's ring all-reduce (gloo/allreduce.cc) cuts its buffer into segments of at most kMaxSegmentSize, 1 MiB,
+# and keeps two of them in flight per direction; torch does not change the segment size.
+GLOO_SEGMENT_BYTES = 1 << 20
+INITIAL_WINDOW_SEGMENTS = 10
+MSS_BYTES = 1448  # a 1500-byte MTU less IP and TCP headers with timestamps
+# harness project --validate: what a prediction must come within (the issue's acceptance).
+VALIDATION_TOLERANCE = 0.15
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+GRADIENT_BYTES = 4  # AllReduce reduces fp32 gradients
+RANK_ESTIMATE_BYTES = 16
+MODELLED_METHODS = ("allreduce", "opendiloco", "cocktail", "dilocox")
+
+
+class ProjectionError(UserError):
+    """A projection that cannot be made; the message names the fix."""
+
+
+def default_window_bytes() -> int:
+    try:
+        wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        wmem_max = 4 << 20
+    return int(WINDOW_SHARE_OF_WMEM * wmem_max)
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    rate_bps: float | None  # the slowest site's; None: unshaped (communication costs nothing here)
+    rtt_s: float
+    efficiency: float = DEFAULT_EFFICIENCY
+    window_bytes: int = 4 << 20
+
+    @classmethod
+    def of(cls, profile: Profile, clusters: int, **kwargs: Any) -> LinkModel:
+        rates = [r for c in range(clusters) for r in (profile.uplink(c).rate_bps, profile.downlink(c).rate_bps)]
+        shaped = [r for r in rates if r is not None]
+        # A ring waits for its slowest hop: the longest round trip between two sites.
+        rtt_ms = max((profile.path(a, b).rtt_ms for a in range(clusters) for b in range(a + 1, clusters)), default=0.0)
+        return cls(min(shaped) if shaped else None, rtt_ms / 1000, **kwargs)
+
+    @property
+    def goodput_bps(self) -> float:
+        if self.rate_bps is None:
+            return math.inf
+        window_bound = 8 * self.window_bytes / self.rtt_s if self.rtt_s > 0 else math.inf
+        return min(self.efficiency * self.rate_bps, window_bound)
+
+    def allreduce_s(self, nbytes: int, n: int) -> float:
+        """gloo's ring all-reduce (gloo/allreduce.cc): the buffer goes as segments of at most 1 MiB (at least 2n of
+        them), two in flight per direction; a reduce-scatter then an all-gather, each passing (n-1)/n of the segments
+        to the next site. Every two segments cost a round trip: on a long path the ring, not TCP, sets the pace."""
+        segments = math.ceil(max(math.ceil(nbytes / GLOO_SEGMENT_BYTES), 2 * n) / n) * n
+        turns = 2 * math.ceil(segments * (n - 1) // n / 2)
+        return 8 * allreduce_payload_bytes(nbytes, n) / self.goodput_bps + turns * self.rtt_s
+
+    def allgather_s(self, nbytes_per_site: int, n: int) -> float:
+        return 8 * allgather_payload_bytes(nbytes_per_site, n) / self.goodput_bps + (n - 1) * self.rtt_s
+
+    def slow_start_extra_s(self, nbytes: int) -> float:
+        """What sending `nbytes` on a fresh connection costs beyond the steady goodput: TCP starts at
+        INITIAL_WINDOW_SEGMENTS segments and doubles its window every RTT until it holds the bandwidth-delay
+        product (RFC 6928, 5681)."""
+        if self.rtt_s <= 0 or math.isinf(self.goodput_bps) or nbytes <= 0:
+            return 0.0
+        bdp_bytes = self.goodput_bps * self.rtt_s / 8
+        window, sent, elapsed = INITIAL_WINDOW_SEGMENTS * MSS_BYTES, 0.0, 0.0
+        while sent + window < nbytes and window < bdp_bytes:
+            sent, window, elapsed = sent + window, 2 * window, elapsed + self.rtt_s
+        # The last window's bytes go at the goodput either way: what slow start adds is its round trips, less the
+        # time the bytes sent during them would have taken at the goodput.
+        return max(0.0, elapsed - 8 * sent / self.goodput_bps)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a method uses the link: one exchange's payload (bytes each site sends) and time, every how many steps,
+    and how many steps of compute run while it is in flight. A run also has a start: the method's warm-up steps,
+    each with a blocking exchange of warmup_exchange_s (CocktailSGD averages whole models first), and its first
+    exchange, which a fresh connection's slow start makes first_exchange_extra_s longer."""
+
+    payload_bytes: int
+    exchange_s: float
+    every_steps: int
+    hidden_steps: float
+    warmup_steps: int = 0
+    warmup_exchange_s: float = 0.0
+    first_exchange_extra_s: float = 0.0
+
+    def blocked_s(self, hide_s: float) -> float:
+        """Waited per exchange in steady state, when each step's compute that runs beside it takes hide_s."""
+        return max(0.0, self.exchange_s - self.hidden_steps * hide_s)
+
+    def step_s(self, compute_s: float, hide_s: float) -> float:
+        """Steady state: a step's compute and its share of the wait."""
+        return compute_s + self.blocked_s(hide_s) / self.every_steps
+
+    def window_s(self, compute_s: float, hide_s: float, steps: int, from_step: int) -> float:
+        """Seconds that steps from_step .. steps - 1 of a run take: what its tokens/s divides by."""
+        total = 0.0
+        first_exchange = self.warmup_steps + self.every_steps - 1
+        for step in range(from_step, steps):
+            total += compute_s
+            if step < self.warmup_steps:
+                total += self.warmup_exchange_s
+            elif (step - self.warmup_steps + 1) % self.every_steps == 0 or step == steps - 1:
+                # The last step of a run completes what is in flight (the final synchronization).
+                total += self.blocked_s(hide_s) + (self.first_exchange_extra_s if step == first_exchange else 0.0)
+        return total
+
+
+def parameter_shapes(model: str) -> list[torch.Size]:
+    """The model's parameter shapes, built on the meta device: no memory, so the 107B shape works too."""
+    with torch.device("meta"):
+        return [p.shape for p in DecoderLM(get_model_config(model)).parameters()]
+
+
+def schedule(method: str, options: dict[str, Any], model: str, n: int, link: LinkModel) -> Schedule:
+    """The method's schedule (module doc, (c)) with its payload from its own compressor and settings."""
+    cfg = method_config(method, options)
+    params = count_parameters(get_model_config(model))
+    gradients = GRADIENT_BYTES * params
+    if method == "allreduce":
+        return Schedule(allreduce_payload_bytes(gradients, n), link.allreduce_s(gradients, n), 1, 0)
+    if method == "opendiloco":
+        nbytes = DTYPE_BYTES[cfg.pseudo_grad_dtype] * params
+        payload = allreduce_payload_bytes(nbytes, n)
+        return Schedule(
+            payload, link.allreduce_s(nbytes, n), cfg.local_steps, 0,
+            first_exchange_extra_s=link.slow_start_extra_s(payload),
+        )  # fmt: skip
+    if method == "cocktail":
+        compressor = SparseQuantizeCompressor(cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size)
+        per_site = sum(compressor.payload_nbytes(shape) for shape in parameter_shapes(model))
+        return Schedule(
+            allgather_payload_bytes(per_site, n), link.allgather_s(per_site, n), 1, 1,
+            warmup_steps=cfg.warmup_steps, warmup_exchange_s=link.allreduce_s(gradients, n),
+        )  # fmt: skip
+    if method == "dilocox":
+        hidden = {"none": 0, "streaming": cfg.overlap_steps, "delayed": cfg.local_steps, "eager": cfg.local_steps}
+        if not cfg.compression:
+            nbytes = 2 * params
+            payload, exchange_s = allreduce_payload_bytes(nbytes, n), link.allreduce_s(nbytes, n)
+        else:
+            compressor = LowRankQuantizeCompressor(cfg.rank, cfg.bits, cfg.bucket_size)
+            per_site = sum(compressor.payload_nbytes(shape) for shape in parameter_shapes(model))
+            payload, exchange_s = allgather_payload_bytes(per_site, n), link.allgather_s(per_site, n)
+        if cfg.adaptive:
+            # The rank estimate's all-reduce runs beside each exchange (two float64, trainers/dilocox.py,
+            # _rank_totals), at the same time: gloo works a process group's collectives on two threads. Its two
+            # ring steps' round trips outlast the payload's one on a long path.
+            payload += allreduce_payload_bytes(RANK_ESTIMATE_BYTES, n)
+            exchange_s = max(exchange_s, link.allreduce_s(RANK_ESTIMATE_BYTES, n))
+        return Schedule(
+            payload, exchange_s, cfg.local_steps, hidden[cfg.overlap],
+            first_exchange_extra_s=link.slow_start_extra_s(payload),
+        )  # fmt: skip
+    raise _not_modelled(method)
+
+
+def _not_modelled(method: str) -> ProjectionError:
+    return ProjectionError(f"harness project models {', '.join(MODELLED_METHODS)}, not {method!r}")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A step's time apart from waiting on the link (`step_s`), the part of it an exchange in flight can run beside
+    (`hide_s`: forward and backward; a method's compression runs before its exchange starts), and its source."""
+
+    step_s: float
+    hide_s: float
+    source: str
+
+    def scaled(self, factor: float, source: str) -> Compute:
+        return Compute(self.step_s * factor, self.hide_s * factor, source)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    method: str
+    model: str
+    profile: str
+    clusters: int
+    tokens_per_step: int
+    compute: Compute
+    link: LinkModel
+    schedule: Schedule
+
+    @property
+    def step_s(self) -> float:
+        return self.schedule.step_s(self.compute.step_s, self.compute.hide_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    def run_tokens_per_s(self, steps: int, warmup_steps: int) -> float:
+        """Tokens/s as a run of `steps` steps measures it: over its steps after the throughput warm-up, with the
+        method's warm-up and the first exchange's slow start where they fall inside."""
+        window_s = self.schedule.window_s(self.compute.step_s, self.compute.hide_s, steps, warmup_steps)
+        return (steps - warmup_steps) * self.tokens_per_step / window_s
+
+    @property
+    def wire_bytes_per_token(self) -> float:
+        """Payload bytes all sites send per token (the kernel's counters add TCP/IP headers on top)."""
+        return self.clusters * self.schedule.payload_bytes / self.schedule.every_steps / self.tokens_per_step
+
+    @property
+    def compute_ceiling_tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.compute.step_s
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "model": self.model,
+            "profile": self.profile,
+            "clusters": self.clusters,
+            "tokens_per_step": self.tokens_per_step,
+            "compute": dataclasses.asdict(self.compute),
+            "link": {**dataclasses.asdict(self.link), "goodput_bps": self.link.goodput_bps},
+            "schedule": dataclasses.asdict(self.schedule),
+            "step_s": self.step_s,
+            "predicted_tokens_per_s": self.tokens_per_s,
+            "compute_ceiling_tokens_per_s": self.compute_ceiling_tokens_per_s,
+            "wire_bytes_per_token": self.wire_bytes_per_token,
+            "assumptions": ASSUMPTIONS,
+        }
+
+    def describe(self) -> list[str]:
+        link, sched, compute = self.link, self.schedule, self.compute
+        rate = "unshaped" if link.rate_bps is None else format_rate(link.rate_bps)
+        goodput = "unbounded" if math.isinf(link.goodput_bps) else format_rate(link.goodput_bps)
+        return [
+            f"{self.method} · model {self.model} · profile {self.profile} · {self.clusters} sites · "
+            f"{self.tokens_per_step:,} tokens per step",
+            f"compute: {compute.step_s:.4g} s per step, {compute.hide_s:.4g} s of it forward and backward "
+            f"({compute.source})",
+            f"link: slowest site {rate}, RTT {1000 * link.rtt_s:g} ms, goodput {goodput} "
+            f"(efficiency {link.efficiency:g}, TCP window {link.window_bytes:,} B)",
+            f"exchange: {sched.payload_bytes:,} B from each site every {sched.every_steps} step(s), "
+            f"{sched.exchange_s:.4g} s on the link, beside {sched.hidden_steps:g} step(s) of compute: "
+            f"{sched.blocked_s(compute.hide_s):.4g} s waited per exchange",
+            f"predicted: {self.tokens_per_s:,.1f} tokens/s ({self.step_s:.4g} s per step; compute ceiling "
+            f"{self.compute_ceiling_tokens_per_s:,.1f}), {self.wire_bytes_per_token:,.4g} wire bytes per token",
+        ]
+
+
+ASSUMPTIONS = (
+    "steady state: no warm-up, no first-exchange slow start",
+    "DiLoCoX at H_1 and r_1 throughout (adaptation only lowers its bytes)",
+    "the whole model crosses each site's uplink once per exchange, whatever the pipeline stages",
+    "one exchange at a time on the link; loss and jitter not modelled",
+)
+
+
+def predict(
+    method: str,
+    options: dict[str, Any],
+    model: str,
+    profile: Profile,
+    clusters: int,
+    tokens_per_step: int,
+    compute: Compute,
+    link: LinkModel | None = None,
+) -> Prediction:
+    link = link or LinkModel.of(profile, clusters, window_bytes=default_window_bytes())
+    sched = schedule(method, options, model, clusters, link)
+    return Prediction(method, model, profile.name, clusters, tokens_per_step, compute, link, sched)
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """What each site computes with, for a model this machine cannot train."""
+
+    peak_tflops: float  # per accelerator, in the training dtype
+    per_site: int
+    mfu: float  # model FLOPs utilisation: the share of peak that training reaches
+
+    def compute(self, model: str, tokens_per_site_step: int) -> Compute:
+        """6 N FLOPs per token (forward and backward) over what a site's accelerators deliver."""
+        flops = 6 * count_parameters(get_model_config(model)) * tokens_per_site_step
+        step_s = flops / (self.per_site * self.peak_tflops * 1e12 * self.mfu)
+        source = f"{self.per_site} x {self.peak_tflops:g} TFLOP/s at MFU {self.mfu:g} per site, 6 N FLOPs per token"
+        return Compute(step_s, step_s, source)
+
+
+def resolve_compute(
+    method: str,
+    options: dict[str, Any],
+    model: str,
+    clusters: int,
+    tokens_per_step: int,
+    compute_from: Sequence[Path] = (),
+    compute_s: float | None = None,
+    accelerator: Accelerator | None = None,
+) -> Compute:
+    """Given, from an accelerator, or measured on this machine by runs of the same method and options (any model
+    and batch: scaled by N x tokens per site, the FLOPs)."""
+    if sum(x is not None and x != () for x in (compute_s, accelerator, tuple(compute_from))) != 1:
+        raise ProjectionError(
+            "say where compute comes from, once: --compute-from RUNS (this method's runs on this machine), "
+            "--compute-s SECONDS per step, or --accelerator-tflops with --accelerators-per-site and --mfu"
+        )
+    if compute_s is not None:
+        if not (isinstance(compute_s, (int, float)) and math.isfinite(compute_s) and compute_s > 0):
+            raise ProjectionError(f"--compute-s must be a positive number of seconds, got {compute_s}")
+        return Compute(compute_s, compute_s, "given (--compute-s)")
+    per_site = tokens_per_step // clusters
+    if accelerator is not None:
+        return accelerator.compute(model, per_site)
+    wanted = json.dumps(method_options_of(method, options), sort_keys=True)
+    per_flop = []
+    for run_dir, summary, _ in ok_runs(compute_from):
+        if summary["method"] != method or json.dumps(summary.get("method_options") or {}, sort_keys=True) != wanted:
+            continue
+        run_tokens = summary["tokens"] // summary["steps"] // summary["clusters"]
+        per_flop.append(measured_compute(run_dir).scaled(1 / (summary["param_count"] * run_tokens), ""))
+    if not per_flop:
+        raise ProjectionError(
+            f"no successful {method} run with these options under {', '.join(map(str, compute_from))} to measure "
+            "compute from; run it there (e.g. harness run --profile unshaped) or pass --compute-s"
+        )
+    scale = count_parameters(get_model_config(model)) * per_site
+    source = f"measured on this machine: mean of {len(per_flop)} run(s), scaled by N x tokens per site"
+    return Compute(
+        statistics.fmean(c.step_s for c in per_flop) * scale, statistics.fmean(c.hide_s for c in per_flop) * scale,
+        source,
+    )  # fmt: skip
+
+
+def method_options_of(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options a run of `method` records: the ones given that the method has."""
+    from trainers.registry import option_names
+
+    return {k: v for k, v in options.items() if v is not None and k in option_names(method)}
+
+
+def measured_compute(run_dir: Path) -> Compute:
+    """Means over rank 0's steps after the throughput warm-up: step_s - sync_blocked_s, and compute_s (forward and
+    backward) (module doc, (a))."""
+    warmup = RunConfig.load(run_dir / "config.json").train.throughput_warmup_steps
+    steps = [e for e in read_events(run_dir / "events" / "rank0.jsonl") if e["kind"] == "step" and e["step"] >= warmup]
+    if not steps:
+        raise ProjectionError(f"{run_dir} has no steps after its warm-up to measure compute from; use a longer run")
+    return Compute(
+        statistics.fmean(e["step_s"] - e.get("sync_blocked_s", 0.0) for e in steps),
+        statistics.fmean(e["compute_s"] for e in steps),
+        f"measured: {run_dir.name}",
+    )
+
+
+def settings_key(summary: dict[str, Any], config: RunConfig) -> tuple:
+    """What a compute measurement must share with the run it predicts: method and options, model, shape, batch."""
+    options = json.dumps(summary.get("method_options") or {}, sort_keys=True)
+    train = config.train
+    return (summary["method"], options, summary["model"], summary["clusters"], train.batch_size, train.seq_len)
+
+
+def ok_runs(paths: Sequence[Path]) -> list[tuple[Path, dict[str, Any], RunConfig]]:
+    """(folder, summary, config) of every successful run under `paths` (run folders or folders of them)."""
+    from harness.analysis.report import find_run_dirs
+
+    found = []
+    for run_dir, _ in find_run_dirs(paths):
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary["status"] == "ok":
+            found.append((run_dir, summary, RunConfig.load(run_dir / "config.json")))
+    return found
+
+
+def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict[str, Any]]:
+    """Predicted vs measured tokens/s for every (method, options, model, profile) of the successful runs in
+    `results`; compute from the runs in `compute_from` with the same method, options, model, shape and batch (their
+    mean), which should be other runs than the predicted ones (on an unshaped link)."""
+    computes: dict[tuple, list[Compute]] = {}
+    for run_dir, summary, config in ok_runs(compute_from):
+        computes.setdefault(settings_key(summary, config), []).append(measured_compute(run_dir))
+    groups: dict[tuple, list[tuple[dict, RunConfig]]] = {}
+    for _, summary, config in ok_runs(results):
+        groups.setdefault((settings_key(summary, config), summary["profile"]), []).append((summary, config))
+    rows = []
+    for (key, profile_name), runs in sorted(groups.items(), key=lambda kv: (kv[0][0][2], kv[0][1], kv[0][0][0])):
+        if key not in computes:
+            raise ProjectionError(
+                f"no compute measurement for {key[0]} {key[1]} on model {key[2]} ({key[3]} clusters, batch {key[4]}) "
+                "under --compute-from; run that method with those settings on the unshaped profile there"
+            )
+        summary, config = runs[0]
+        measurements = computes[key]
+        compute = Compute(
+            statistics.fmean(c.step_s for c in measurements), statistics.fmean(c.hide_s for c in measurements),
+            f"mean of {len(measurements)} run(s)",
+        )  # fmt: skip
+        prediction = predict(
+            summary["method"], summary.get("method_options") or {}, summary["model"], config.profile,
+            summary["clusters"], summary["tokens"] // summary["steps"], compute,
+        )  # fmt: skip
+        predicted = prediction.run_tokens_per_s(config.train.steps, config.train.throughput_warmup_steps)
+        measured = [s["tokens_per_s"] for s, _ in runs]
+        mean = statistics.fmean(measured)
+        rows.append(
+            {
+                "model": summary["model"],
+                "profile": profile_name,
+                "rtt_ms": 1000 * prediction.link.rtt_s,
+                "method": summary["method"],
+                "options": key[1],
+                "n": len(measured),
+                "measured_tokens_per_s": mean,
+                "measured_min": min(measured),
+                "measured_max": max(measured),
+                "predicted_tokens_per_s": predicted,
+                "error": predicted / mean - 1,
+                "steady_state_tokens_per_s": prediction.tokens_per_s,
+                "compute_step_s": compute.step_s,
+                "compute_hide_s": compute.hide_s,
+                "compute_runs": len(measurements),
+            }
+        )
+    return rows
+
+
+def project(
+    method: str,
+    model: str,
+    profile: str,
+    clusters: int,
+    settings: dict[str, Any],
+    compute_from: Sequence[Path] = (),
+    compute_s: float | None = None,
+    accelerator: Accelerator | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    window_bytes: int | None = None,
+) -> Prediction:
+    """The prediction `harness project` prints: settings are the run's flat settings (batch_size, seq_len and the
+    method's options), checked as a run would check them, so a projection is of a run that could be made."""
+    config = RunConfig.build(method, profile, clusters=clusters, model=model, **settings)
+    config.profile.check_sites(clusters)
+    if method not in MODELLED_METHODS:
+        raise _not_modelled(method)
+    check_method_options(method, config.method_options)
+    check_finite_options(config.method_options)
+    try:
+        config.train.validate()
+        get_model_config(config.train.model)
+    except ValueError as err:
+        raise ProjectionError(str(err)) from None
+    if not 0 < efficiency <= 1:
+        raise ProjectionError(f"--efficiency must be in (0, 1], got {efficiency}")
+    if window_bytes is not None and window_bytes < 1:
+        raise ProjectionError(f"--window-bytes must be a positive number of bytes, got {window_bytes}")
+    if accelerator is not None and not (
+        accelerator.peak_tflops > 0 and accelerator.per_site >= 1 and 0 < accelerator.mfu <= 1
+    ):
+        raise ProjectionError(
+            "--accelerator-tflops must be positive, --accelerators-per-site at least 1 and --mfu in (0, 1]"
+        )
+    model_cfg = get_model_config(config.train.model)
+    tokens_per_step = clusters * config.train.batch_size * (config.train.seq_len or model_cfg.max_seq_len)
+    compute = resolve_compute(
+        method, config.method_options, model_cfg.name, clusters, tokens_per_step, compute_from, compute_s, accelerator
+    )
+    link = LinkModel.of(
+        config.profile, clusters, efficiency=efficiency, window_bytes=window_bytes or default_window_bytes()
+    )
+    return predict(
+        method, config.method_options, model_cfg.name, config.profile, clusters, tokens_per_step, compute, link
+    )

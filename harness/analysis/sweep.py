@@ -1,0 +1,360 @@
+"""Sweeps: methods x profiles x seeds (x extra settings) run one after another into one folder.
+
+Layout of a sweep folder OUT:
+
+    OUT/sweep.json           the settings every run shares (a resumed sweep must be given the same ones) and
+                             "command", the command line that made (or last resumed) the sweep
+    OUT/index.csv            one row per combination: its settings, status, failure, path relative to OUT
+    OUT/runs/<name>/         one ordinary results folder per combination (harness/run/folder.py)
+    OUT/profiles/*.yaml      profiles the sweep derived itself (regime matching, harness/analysis/regime.py)
+
+A run's name is ``<method>-<profile>-s<seed>`` followed by ``-<key>=<value>`` for each varied setting and ``-r<i>``
+for repeats.
+
+Order: round-robin. Seeds (and repeats of a seed) are the outermost loop, then profiles, then methods with their
+swept values, so one seed's methods run back to back: a slow moment of a shared machine falls on every method
+alike instead of on whichever method ran then.
+
+Resuming goes by name: a combination whose folder holds a summary with status "ok" is skipped unless forced; any
+other combination is run again from scratch, after its failed folder and any ``.<name>.partial`` staging folder left
+by an interrupted run are removed, because the runner refuses to write over either.
+
+Settings are one flat mapping of names to values, as RunConfig.build takes them: cluster shape (clusters, stages,
+backend), training (TrainConfig fields), lr, or a method option. A method option goes only to the methods whose
+config has it: ``--set local_steps=10,50`` varies opendiloco's H and leaves allreduce as one run, instead of failing
+on the option allreduce does not have (trainers.registry.method_config refuses unknown options, so they are filtered
+by the method's config fields first). As on the command line, the value "none" switches an optional setting off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import product
+from pathlib import Path
+from typing import Any, Protocol
+
+import pandas as pd
+
+from harness.errors import UserError
+from harness.run import runner
+from harness.run.config import RunConfig
+from harness.run.folder import RunFolder
+from trainers.config import TrainConfig
+from trainers.registry import METHODS, option_names
+
+CLUSTER_KEYS = frozenset({"clusters", "stages", "backend", "link_emulator"})
+# The seed is a sweep axis of its own; of the optimizer, RunConfig.build takes the learning rate.
+TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"optim", "seed"} | {"lr"}
+
+
+class SweepError(UserError):
+    """A sweep that cannot start; the message names the fix."""
+
+
+class SweepInterrupted(Exception):
+    """Ctrl-C or SIGTERM stopped a run; the sweep stopped after recording it."""
+
+
+def all_option_names() -> frozenset[str]:
+    return frozenset().union(*(option_names(m) for m in METHODS))
+
+
+def applies_to(key: str, method: str) -> bool:
+    """Whether setting `key` means anything for `method`; unknown keys are refused by `check_keys` first."""
+    return key not in all_option_names() or key in option_names(method)
+
+
+def check_keys(keys: Sequence[str]) -> None:
+    known = CLUSTER_KEYS | TRAIN_KEYS | all_option_names()
+    unknown = sorted(set(keys) - known)
+    if unknown:
+        raise SweepError(
+            f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))} (the seed has its own --seeds)"
+        )
+
+
+def parse_value(text: str) -> Any:
+    """'10' -> 10, '1e-3' -> 0.001, 'true' -> True; anything else, 'none' included, stays a string."""
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_set(spec: str) -> tuple[str, tuple[Any, ...]]:
+    """'local_steps=10,50' -> ('local_steps', (10, 50)); dashes in the key are read as underscores."""
+    key, sep, values = spec.partition("=")
+    if not sep or not key.strip() or not values.strip():
+        raise SweepError(f"--set {spec!r} must look like KEY=V1,V2 (e.g. local_steps=10,50)")
+    return key.strip().replace("-", "_"), tuple(parse_value(v) for v in values.split(","))
+
+
+def parse_method_set(spec: str) -> tuple[str, str, Any]:
+    """'opendiloco:local_steps=20' -> ('opendiloco', 'local_steps', 20): an option fixed for one method only."""
+    method, colon, assignment = spec.partition(":")
+    key, equals, value = assignment.partition("=")
+    if not (colon and equals and method.strip() and key.strip()):
+        raise SweepError(f"--method-set {spec!r} must look like METHOD:KEY=VALUE (e.g. opendiloco:local_steps=20)")
+    return method.strip(), key.strip().replace("-", "_"), parse_value(value)
+
+
+def per_method_settings(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Every --method-set, grouped by method."""
+    per_method: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        method, key, value = parse_method_set(spec)
+        per_method.setdefault(method, {})[key] = value
+    return per_method
+
+
+def profile_name(profile: str) -> str:
+    """A profile's name as the results record it: the file stem for a path, else the name itself."""
+    return Path(profile).stem
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value).replace("/", "_")
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One run of a sweep."""
+
+    method: str
+    profile: str  # a profile name or a path to a profile YAML
+    seed: int
+    varied: tuple[tuple[str, Any], ...] = ()  # the swept settings that apply to this method
+    repeat: int = 0
+    repeats: int = 1
+
+    @property
+    def name(self) -> str:
+        parts = [self.method, profile_name(self.profile), f"s{self.seed}"]
+        parts += [f"{key}={_format_value(value)}" for key, value in self.varied]
+        if self.repeats > 1:
+            parts.append(f"r{self.repeat}")
+        return "-".join(parts)
+
+
+def build_config(method: str, profile: str, seed: int, settings: Mapping[str, Any]) -> RunConfig:
+    """A RunConfig from flat settings; method options that `method` does not have are left out (module doc)."""
+    check_keys(list(settings))
+    config = RunConfig.build(method, profile, seed=seed, **{k: v for k, v in settings.items() if applies_to(k, method)})
+    config.validate()
+    return config
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    methods: tuple[str, ...]
+    profiles: tuple[str, ...]
+    seeds: tuple[int, ...]
+    grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # swept settings: key -> values, from --set
+    settings: Mapping[str, Any] = field(default_factory=dict)  # common to every run
+    per_method: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # method -> its own options
+    repeats: int = 1
+
+    def combinations(self) -> list[Combination]:
+        """Every distinct run, in the order they run (module doc: seed and repeat outermost, then profile, then
+        method and swept values); a method that lacks a swept option is run once, not once per value."""
+        keys = [key for key, _ in self.grid]
+        seen: dict[str, Combination] = {}
+        for seed, repeat, profile, method, values in product(
+            self.seeds, range(self.repeats), self.profiles, self.methods, product(*(v for _, v in self.grid))
+        ):
+            varied = tuple((k, v) for k, v in zip(keys, values, strict=True) if applies_to(k, method))
+            combo = Combination(method, profile, seed, varied, repeat, self.repeats)
+            seen.setdefault(combo.name, combo)
+        return list(seen.values())
+
+    def config(self, combo: Combination) -> RunConfig:
+        settings = {**self.settings, **self.per_method.get(combo.method, {}), **dict(combo.varied)}
+        return build_config(combo.method, combo.profile, combo.seed, settings)
+
+    def warnings(self) -> list[str]:
+        """RunConfig.warnings of every run, each prefixed with the run's name (call after validate)."""
+        return [f"{combo.name}: {w}" for combo in self.combinations() for w in self.config(combo).warnings()]
+
+    def validate(self, regime_pending: bool = False) -> None:
+        """Refuse a bad method, profile, setting or value before the first run starts.
+
+        With `regime_pending` a regime profile is still to be derived (minutes): the rest is checked first, with
+        an unshaped link standing in for it, so a typo costs nothing.
+        """
+        if regime_pending:
+            dataclasses.replace(self, profiles=(*self.profiles, "unshaped")).validate()
+            return
+        if not self.profiles:
+            raise SweepError("name at least one profile with --profiles, or use --regime")
+        if not (self.methods and self.seeds):
+            raise SweepError("a sweep needs at least one method, one profile and one seed")
+        if self.repeats < 1:
+            raise SweepError(f"--repeats must be at least 1, got {self.repeats}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise SweepError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+        check_keys([*self.settings, *(k for k, _ in self.grid)])
+        for method, options in self.per_method.items():
+            if method not in METHODS:
+                raise SweepError(f"options given for unknown method {method!r}; known: {', '.join(METHODS)}")
+            foreign = sorted(set(options) - option_names(method))
+            if foreign:
+                raise SweepError(
+                    f"{', '.join(foreign)} is not an option of method {method!r}; its options: "
+                    f"{', '.join(sorted(option_names(method))) or 'none'}"
+                )
+        for combo in self.combinations():
+            try:
+                self.config(combo)
+            except UserError as err:
+                raise SweepError(f"{combo.name}: {err}") from None
+
+
+@dataclass(frozen=True)
+class IndexRow:
+    """One line of index.csv."""
+
+    combination: Combination
+    status: str  # ok or failed
+    path: str | None  # relative to the sweep folder; None when the run was refused before it had a folder
+    failure: str | None = None
+    tokens_per_s: float | None = None
+    skipped: bool = False  # already finished in an earlier invocation
+
+    def record(self) -> dict[str, Any]:
+        combo = self.combination
+        return {
+            "name": combo.name,
+            "method": combo.method,
+            "profile": profile_name(combo.profile),
+            "seed": combo.seed,
+            "repeat": combo.repeat,
+            **dict(combo.varied),
+            "status": self.status,
+            "tokens_per_s": self.tokens_per_s,
+            "path": self.path,
+            "failure": self.failure,
+        }
+
+
+class SweepObserver(Protocol):
+    """What a sweep tells its caller, e.g. the CLI's progress display."""
+
+    def started(self, combo: Combination, position: int, total: int) -> None:
+        """A run starts (position counts from 1)."""
+
+    def progress(self, state: dict[str, Any]) -> None:
+        """A live update from the running run (harness.run.runner's on_progress)."""
+
+    def finished(self, row: IndexRow) -> None:
+        """A run ended, was refused, or was found finished already (row.skipped)."""
+
+
+class SilentObserver:
+    def started(self, combo: Combination, position: int, total: int) -> None:
+        pass
+
+    def progress(self, state: dict[str, Any]) -> None:
+        pass
+
+    def finished(self, row: IndexRow) -> None:
+        pass
+
+
+def finished_ok(run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a finished, successful run in `run_dir`, else None."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return summary if summary.get("status") == "ok" else None
+
+
+def _check_settings(out: Path, spec: SweepSpec, force: bool, command: str | None = None) -> None:
+    """A resumed sweep must share its runs' settings, or its table would compare unlike runs. Writes sweep.json
+    with the settings and `command`, the command line that makes the sweep (None when not run from one)."""
+    path = out / "sweep.json"
+    shared = {**spec.settings, "per_method": {m: dict(o) for m, o in spec.per_method.items() if o}}
+    settings = json.loads(json.dumps(shared, default=str))
+    if path.is_file() and not force:
+        previous = json.loads(path.read_text()).get("settings")
+        if previous != settings:
+            raise SweepError(
+                f"{out} holds a sweep made with other settings ({previous}, now {settings}); "
+                "pass the same flags to resume it, another --out, or --force to redo it"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "command": command}, indent=2) + "\n")
+
+
+def write_index(out: Path, rows: Sequence[IndexRow]) -> Path:
+    """index.csv: this invocation's rows, plus earlier rows of other combinations (a sweep can be extended)."""
+    path = out / "index.csv"
+    table = pd.DataFrame([row.record() for row in rows])
+    if path.is_file():
+        earlier = pd.read_csv(path)
+        table = pd.concat([earlier[~earlier["name"].isin(table["name"])], table], ignore_index=True)
+    # Nullable dtypes: a setting that only some methods have stays an integer column, not 10.0.
+    table.convert_dtypes().to_csv(path, index=False)
+    return path
+
+
+def _run_one(spec: SweepSpec, combo: Combination, out: Path, observer: SweepObserver) -> IndexRow:
+    final = out / "runs" / combo.name
+    relative = str(final.relative_to(out))
+    # An interrupted run leaves its staging folder; a failed (or forced) run its final one. The runner refuses both.
+    for stale in (RunFolder(final).staging, final):
+        if stale.exists():
+            shutil.rmtree(stale)
+    try:
+        summary = runner.run(spec.config(combo), final, on_progress=observer.progress)
+    except runner.RunError as err:
+        return IndexRow(combo, "failed", None, str(err))
+    # One broken run must not end the sweep; the runner has finalized its folder before raising.
+    except Exception as err:
+        return IndexRow(combo, "failed", relative if final.exists() else None, f"{type(err).__name__}: {err}")
+    return IndexRow(combo, summary["status"], relative, summary.get("failure"), summary.get("tokens_per_s"))
+
+
+def run_sweep(
+    spec: SweepSpec,
+    out: Path,
+    force: bool = False,
+    observer: SweepObserver | None = None,
+    command: str | None = None,
+) -> list[IndexRow]:
+    """Run every combination not already finished; index.csv is rewritten after each run. `command`, the command
+    line that makes this sweep, is recorded in sweep.json so the sweep can be regenerated from it."""
+    spec.validate()
+    observer = observer or SilentObserver()
+    _check_settings(out, spec, force, command)
+    combos = spec.combinations()
+    rows: list[IndexRow] = []
+    for position, combo in enumerate(combos, start=1):
+        done = None if force else finished_ok(out / "runs" / combo.name)
+        if done is not None:
+            row = IndexRow(combo, "ok", f"runs/{combo.name}", None, done.get("tokens_per_s"), skipped=True)
+        else:
+            observer.started(combo, position, len(combos))
+            row = _run_one(spec, combo, out, observer)
+        rows.append(row)
+        write_index(out, rows)
+        observer.finished(row)
+        # The runner turns Ctrl-C into a failed run; the user meant the whole sweep.
+        if row.failure and row.failure.startswith("interrupted"):
+            raise SweepInterrupted(row.failure)
+    return rows

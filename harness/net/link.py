@@ -1,0 +1,384 @@
+"""What a link is: LinkSpec (one link's rate, queue, delay, jitter, loss), SiteLink, Profile, and their units.
+
+A profile names two links: the inter-cluster link (the slow WAN between sites that the methods are compared on)
+and the intra-cluster link (between the pipeline stages of one site; unshaped by default). Rates use tc's units
+(``1gbit``, ``500mbit``), sizes tc's byte units (``256kb`` = 256 KiB), times ``ms``/``us``/``s``, loss ``0.1%``.
+
+What a link's keys mean, between two clusters (sites):
+
+- ``rate``: the bandwidth each cluster gets onto the link, in each direction (``burst``, ``latency``: tbf's bucket
+  and queue bound).
+- ``delay``: the ONE-WAY delay between two clusters; the round-trip time is 2 x delay (``rtt_ms``). A profile with
+  a 40 ms RTT says ``delay: 20ms``.
+- ``jitter``: how much the one-way delay varies (delay +- jitter); a round trip varies by up to 2 x jitter.
+- ``loss``: the chance that a packet sent from one cluster never reaches the other (one-way).
+- ``reorder`` (default false): whether jitter may reorder packets. Without it every packet leaves after the one
+  ahead of it, as on a real path, and a jitter larger than the delay is refused (it could only be had by
+  reordering).
+
+How the emulation realises that: clusters connect in a star through a switch, and each cluster's access link is
+emulated in both directions, so a packet between two clusters crosses two link hops. Each hop carries half of the
+profile's one-way values: ``hop_delay_ms`` = delay / 2, ``hop_jitter_ms`` = jitter / 2, and ``hop_loss_pct`` such
+that two hops lose the profile's one-way loss (1 - (1 - hop)^2 = loss). The backends apply the hop values; nobody
+else should halve anything. harness/net/tcconfig.py, for real hosts, exports the full one-way values instead (each site
+shapes its own egress once).
+
+A profile's ``sites`` give single sites an access link of their own: ``rate`` (or ``up``/``down``), and ``delay``,
+``jitter``, ``loss`` for that site's hop alone (one-way, each direction). The path between two sites then adds
+their two hops: a site with ``delay: 80ms`` on a profile with ``delay: 20ms`` is 80 + 10 ms one-way from every
+other site. A site's LinkSpec holds path figures like every LinkSpec (``hop_*`` halves them), so it stores twice its
+hop's delay and jitter and the loss whose hop share is the site's; ``Profile.path`` composes two sites' hops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+
+from harness.errors import UserError
+from harness.units import format_rate
+
+MIN_RATE_BPS = 8_000
+# tbf sends a packet only when its bucket holds the whole packet: a burst below one full-size Ethernet frame (MTU
+# 1500 plus the 14-byte header) drops every full-size packet, and the run can only time out.
+MIN_BURST_BYTES = 1514
+# The default burst: this much line time, but never less than one GSO segment. A bucket far above a few ms of line
+# time lets whole payloads through unshaped on slow links (256 KiB is half a second at 4 Mbit/s); one below a GSO
+# segment (64 KiB on veths) makes tbf split every segment, and TCP no longer reaches the rate (measured at
+# 100 Mbit/s: busbw 0.86-0.89 of the rate with 2-32 KiB buckets, 0.96 with 128 KiB; README "Rate-true shaping").
+BURST_LINE_TIME_S = 0.002
+GSO_SEGMENT_BYTES = 64 * 1024
+
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_SIZE_UNITS = {"b": 1, "kb": 1024, "k": 1024, "mb": 1024**2, "m": 1024**2, "gb": 1024**3}
+_TIME_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+_LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss", "reorder"}
+# No terrestrial or satellite path is slower one way (geostationary: ~280 ms one way, ~600 ms RTT); a larger delay
+# is almost certainly a unit mistake (2s for 2ms).
+MAX_DELAY_MS = 2000.0
+# A site's own access link: its rate in both directions, or up (from the site) and down (to it) apart.
+_SITE_KEYS = {"rate", "up", "down", "burst", "latency", "delay", "jitter", "loss"}
+
+
+class ProfileError(UserError):
+    """A profile that cannot be used; the message is one sentence naming the fix."""
+
+
+def _parse(value: object, units: dict[str, float], what: str, example: str, signed: bool = False) -> float:
+    """`signed`: a negative number with a known unit gets its own message (else it is "not understood")."""
+    text = str(value).strip().lower()
+    negative = re.fullmatch(r"-\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z%]*)", text)
+    if signed and negative and negative.group(2) in units:
+        raise ProfileError(f"{what} {value!r} must not be negative; write 0 or more, e.g. {example}")
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z%]*)", text)
+    if not match or match.group(2) not in units:
+        raise ProfileError(
+            f"{what} {value!r} is not understood; write a number with a unit, e.g. {example} "
+            f"(units: {', '.join(units)})"
+        )
+    return float(match.group(1)) * units[match.group(2)]
+
+
+def parse_rate_bps(value: object) -> int:
+    rate = _parse(value, _RATE_UNITS, "rate", "1gbit or 500mbit")
+    if rate < MIN_RATE_BPS:
+        raise ProfileError(
+            f"rate {value!r} is below the {MIN_RATE_BPS // 1000} kbit/s that tbf can shape; use a larger rate"
+        )
+    return int(rate)
+
+
+def parse_size_bytes(value: object) -> int:
+    size = _parse(value, _SIZE_UNITS, "size", "256kb")
+    if size < 1:
+        raise ProfileError(f"size {value!r} must be positive")
+    return int(size)
+
+
+def parse_time_ms(value: object, what: str = "time") -> float:
+    return _parse(value, _TIME_UNITS, what, "20ms", signed=True)
+
+
+def parse_loss_pct(value: object) -> float:
+    pct = _parse(value, {"%": 1.0, "": 1.0}, "loss", "0.1%", signed=True)
+    if not 0 <= pct < 100:
+        raise ProfileError(f"loss {value!r} must be a percentage in [0, 100)")
+    return pct
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """How one link is shaped. An empty spec leaves the link unshaped."""
+
+    rate_bps: int | None = None
+    # None: derived from the rate (default_burst_bytes); a profile's `burst` overrides it.
+    burst_bytes: int | None = None
+    # tbf's queue bound, expressed as the longest a packet may wait; 50 ms held the rate well here.
+    latency_ms: float = 50.0
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss_pct: float = 0.0
+    # Whether jitter may reorder packets (netem's behaviour); by default a packet never overtakes the one before it.
+    reorder: bool = False
+
+    def __post_init__(self) -> None:
+        if self.burst_bytes is None:
+            derived = default_burst_bytes(self.rate_bps) if self.rate_bps is not None else 0
+            object.__setattr__(self, "burst_bytes", derived)
+        check_burst(self.rate_bps, self.burst_bytes, f"{self.burst_bytes}b")
+
+    @property
+    def needs_netem(self) -> bool:
+        return self.delay_ms > 0 or self.jitter_ms > 0 or self.loss_pct > 0
+
+    @property
+    def shaped(self) -> bool:
+        return self.rate_bps is not None or self.needs_netem
+
+    @property
+    def rtt_ms(self) -> float:
+        """Round-trip time between two clusters: `delay` is one-way."""
+        return 2 * self.delay_ms
+
+    @property
+    def hop_delay_ms(self) -> float:
+        """The delay of one of the two link hops between two clusters (each cluster's access link): half."""
+        return self.delay_ms / 2
+
+    @property
+    def hop_jitter_ms(self) -> float:
+        return self.jitter_ms / 2
+
+    @property
+    def hop_loss_pct(self) -> float:
+        """One hop's loss, such that two hops in a row lose the profile's one-way loss: 1 - (1 - hop)^2 = loss."""
+        return 100 * (1 - math.sqrt(1 - self.loss_pct / 100))
+
+    def describe(self) -> str:
+        """E.g. "1 Gbit/s (burst 244 KiB = 2.0 ms), RTT 40 ms +- 2 ms, loss 1%"."""
+        if not self.shaped:
+            return "unshaped"
+        parts = []
+        if self.rate_bps is not None:
+            line_time_ms = self.burst_bytes * 8 / self.rate_bps * 1000
+            parts.append(f"{format_rate(self.rate_bps)} (burst {self.burst_bytes // 1024} KiB = {line_time_ms:.1f} ms)")
+        if self.delay_ms:
+            rtt = f"RTT {self.rtt_ms:g} ms"
+            if self.jitter_ms:
+                rtt += f" +- {2 * self.jitter_ms:g} ms" + (" (reordering)" if self.reorder else "")
+            parts.append(rtt)
+        if self.loss_pct:
+            parts.append(f"loss {self.loss_pct:g}%")
+        return ", ".join(parts)
+
+    def check(self, where: str) -> None:
+        """Refuse delay settings no link has; `where` names the link (e.g. "mine.yaml: inter_cluster")."""
+        if self.delay_ms < 0 or self.jitter_ms < 0:
+            raise ProfileError(f"{where}: delay and jitter must not be negative; write 0ms or more")
+        if self.delay_ms > MAX_DELAY_MS:
+            raise ProfileError(
+                f"{where}: delay {self.delay_ms:g} ms is above {MAX_DELAY_MS:g} ms one-way; no terrestrial or "
+                "satellite link is that slow (delay is one-way, half the RTT; check the unit)"
+            )
+        if self.jitter_ms and not self.delay_ms:
+            raise ProfileError(f"{where} sets jitter without delay; add a delay (jitter varies it)")
+        if self.jitter_ms > self.delay_ms and not self.reorder:
+            raise ProfileError(
+                f"{where}: jitter {self.jitter_ms:g} ms is larger than the delay {self.delay_ms:g} ms, which would "
+                "reorder packets; lower the jitter or set reorder: true"
+            )
+
+    @classmethod
+    def from_yaml(cls, data: object, where: str) -> LinkSpec:
+        if data is None:
+            return cls()
+        if not isinstance(data, dict):
+            raise ProfileError(f"{where} must be a mapping of {sorted(_LINK_KEYS)}, got {type(data).__name__}")
+        unknown = set(data) - _LINK_KEYS
+        if unknown:
+            raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_LINK_KEYS)}")
+        parsers = {
+            "rate": ("rate_bps", parse_rate_bps),
+            "burst": ("burst_bytes", parse_size_bytes),
+            "latency": ("latency_ms", parse_time_ms),
+            "delay": ("delay_ms", lambda v: parse_time_ms(v, "delay")),
+            "jitter": ("jitter_ms", lambda v: parse_time_ms(v, "jitter")),
+            "loss": ("loss_pct", parse_loss_pct),
+            "reorder": ("reorder", lambda v: _parse_bool(v, f"{where}: reorder")),
+        }
+        kwargs = {field: parse(data[key]) for key, (field, parse) in parsers.items() if key in data}
+        if "burst_bytes" in kwargs:
+            check_burst(kwargs.get("rate_bps"), kwargs["burst_bytes"], str(data["burst"]).strip(), f"{where}: ")
+        spec = cls(**kwargs)
+        spec.check(where)
+        return spec
+
+
+def _parse_bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{what} {value!r} must be true or false")
+    return value
+
+
+def default_burst_bytes(rate_bps: float) -> int:
+    """A rate-true bucket: BURST_LINE_TIME_S of line time at `rate_bps`, at least one GSO segment."""
+    return max(GSO_SEGMENT_BYTES, round(rate_bps / 8 * BURST_LINE_TIME_S))
+
+
+def check_burst(rate_bps: int | None, burst_bytes: int, shown: str, where: str = "") -> None:
+    """A shaped link's tbf bucket holds at least one full-size packet; burst matters only with a rate."""
+    if rate_bps is not None and burst_bytes < MIN_BURST_BYTES:
+        least = -(-MIN_BURST_BYTES // 1024)
+        raise ProfileError(
+            f"{where}burst {shown} is below one full-size packet ({MIN_BURST_BYTES:,} bytes): tbf would drop every "
+            f"full-size packet; use at least {least}kb"
+        )
+
+
+@dataclass(frozen=True)
+class SiteLink:
+    """One site's own access link where it differs from the profile's inter_cluster link: `up` shapes what the
+    site sends, `down` what it receives. Its delay, jitter and loss are its hop's (module doc), the inter_cluster
+    link's half where the site sets none."""
+
+    up: LinkSpec
+    down: LinkSpec
+
+    @classmethod
+    def from_yaml(cls, data: object, default: LinkSpec, where: str) -> SiteLink:
+        if not isinstance(data, dict) or not data:
+            raise ProfileError(f"{where} must be a mapping of {sorted(_SITE_KEYS)}, e.g. {{rate: 100mbit}}")
+        unknown = set(data) - _SITE_KEYS
+        if unknown:
+            raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_SITE_KEYS)}")
+        if "rate" in data and ({"up", "down"} & set(data)):
+            raise ProfileError(f"{where} gives rate and up/down; give rate (both directions) or up and down")
+        rate = parse_rate_bps(data["rate"]) if "rate" in data else default.rate_bps
+        up = parse_rate_bps(data["up"]) if "up" in data else rate
+        down = parse_rate_bps(data["down"]) if "down" in data else rate
+        shape = {}
+        if "burst" in data:
+            shape["burst_bytes"] = parse_size_bytes(data["burst"])
+        if "latency" in data:
+            shape["latency_ms"] = parse_time_ms(data["latency"])
+        # The site's own hop, stored as path figures (module doc): twice the delay and jitter, and the loss of which
+        # one hop loses the site's.
+        if "delay" in data:
+            shape["delay_ms"] = 2 * parse_time_ms(data["delay"], "delay")
+        if "jitter" in data:
+            shape["jitter_ms"] = 2 * parse_time_ms(data["jitter"], "jitter")
+        if "loss" in data:
+            hop_loss = parse_loss_pct(data["loss"]) / 100
+            shape["loss_pct"] = 100 * (1 - (1 - hop_loss) ** 2)
+
+        def link(rate_bps: int | None) -> LinkSpec:
+            # The burst follows the site's rate unless the site sets one.
+            spec = dataclasses.replace(default, rate_bps=rate_bps, burst_bytes=None, **shape)
+            check_burst(rate_bps, spec.burst_bytes, f"{spec.burst_bytes}b", f"{where}: ")
+            return spec
+
+        site = cls(up=link(up), down=link(down))
+        site.up.check(where)
+        return site
+
+    def to_dict(self) -> dict:
+        return {"up": self.up.__dict__, "down": self.down.__dict__}
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    inter_cluster: LinkSpec = field(default_factory=LinkSpec)
+    intra_cluster: LinkSpec = field(default_factory=LinkSpec)
+    source: str = ""
+    # Sites (clusters, by index) whose access link differs from inter_cluster: uneven links, stragglers.
+    sites: dict[int, SiteLink] = field(default_factory=dict)
+
+    @property
+    def needs_netem(self) -> bool:
+        sites = any(link.up.needs_netem for link in self.sites.values())
+        return self.inter_cluster.needs_netem or self.intra_cluster.needs_netem or sites
+
+    def path(self, a: int, b: int) -> LinkSpec:
+        """The path between sites a and b as one LinkSpec: the slower rate, and the two hops' delay, jitter and loss
+        added (losses composed). Without sites, the inter_cluster link itself."""
+        hop_a, hop_b = self.uplink(a), self.uplink(b)
+        rates = [r for r in (hop_a.rate_bps, self.downlink(b).rate_bps) if r is not None]
+        return dataclasses.replace(
+            self.inter_cluster,
+            rate_bps=min(rates) if rates else None,
+            burst_bytes=None,
+            delay_ms=hop_a.hop_delay_ms + hop_b.hop_delay_ms,
+            jitter_ms=hop_a.hop_jitter_ms + hop_b.hop_jitter_ms,
+            loss_pct=100 * (1 - (1 - hop_a.hop_loss_pct / 100) * (1 - hop_b.hop_loss_pct / 100)),
+        )
+
+    def uplink(self, cluster: int) -> LinkSpec:
+        """What shapes the traffic cluster `cluster` sends onto the inter-cluster link."""
+        return self.sites[cluster].up if cluster in self.sites else self.inter_cluster
+
+    def downlink(self, cluster: int) -> LinkSpec:
+        """What shapes the traffic cluster `cluster` receives from the inter-cluster link."""
+        return self.sites[cluster].down if cluster in self.sites else self.inter_cluster
+
+    def topology_lines(self) -> list[str]:
+        """The sites around the switch and what shapes each one's link, for `harness profiles show`."""
+        lines = ["every site --[" + self.inter_cluster.describe() + "]--> switch <--[same]-- every other site"]
+        for site, link in sorted(self.sites.items()):
+            up = format_rate(link.up.rate_bps) if link.up.rate_bps else "unshaped"
+            down = format_rate(link.down.rate_bps) if link.down.rate_bps else "unshaped"
+            hop = link.up
+            extra = "".join(
+                [
+                    f", its hop {hop.hop_delay_ms:g} ms one-way" if hop.delay_ms else "",
+                    f" +- {hop.hop_jitter_ms:g} ms" if hop.jitter_ms else "",
+                    f", loss {hop.hop_loss_pct:.3g}%" if hop.loss_pct else "",
+                ]
+            )
+            lines.append(f"  except site {site}:  --[up {up}]--> switch --[down {down}]--> site {site}{extra}")
+            if hop.delay_ms or hop.loss_pct:
+                other = 0 if site else 1
+                path = self.path(site, other)
+                lines.append(
+                    f"    path site {site} <-> site {other}: RTT {path.rtt_ms:g} ms"
+                    + (f", loss {path.loss_pct:.3g}%" if path.loss_pct else "")
+                    + " (a site's parsed delay_ms is twice its hop's: LinkSpecs hold path figures)"
+                )
+        return lines
+
+    def check_sites(self, clusters: int) -> None:
+        """Every site the profile shapes exists in a run of `clusters` clusters."""
+        missing = sorted(site for site in self.sites if site >= clusters)
+        if missing:
+            raise ProfileError(
+                f"profile {self.name!r} gives site {missing[0]} its own link, but the run has sites 0 to "
+                f"{clusters - 1}; use --clusters {max(missing) + 1} or more, or remove that site from the profile"
+            )
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "source": self.source,
+            "inter_cluster": self.inter_cluster.__dict__,
+            "intra_cluster": self.intra_cluster.__dict__,
+            "sites": {str(site): link.to_dict() for site, link in sorted(self.sites.items())},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        """The inverse of to_dict (a run's config.json)."""
+        return cls(
+            data["name"],
+            data["description"],
+            LinkSpec(**data["inter_cluster"]),
+            LinkSpec(**data["intra_cluster"]),
+            data["source"],
+            {
+                int(site): SiteLink(LinkSpec(**link["up"]), LinkSpec(**link["down"]))
+                for site, link in data.get("sites", {}).items()
+            },
+        )

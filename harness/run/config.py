@@ -1,0 +1,233 @@
+"""A run's full configuration: the cluster around the training, plus the training itself.
+
+Defaults live in the dataclasses (here and in trainers/config.py and each method's config); the CLI passes only
+what the user set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.errors import UserError
+from harness.net.link import Profile
+from harness.net.profiles import check_shapeable, load_profile
+from harness.net.topology import Topology
+from harness.run.faults import Fault, check_faults, parse_fault
+from trainers.config import OptimConfig, TrainConfig
+
+# Fewer synchronizations than this and a DiLoCo-style run is mostly local training: warned before it starts.
+MIN_SYNCS = 3
+
+
+def default_collective_timeout_s() -> float:
+    """300 s, or HARNESS_TIMEOUT_S: long enough for one all-reduce on the slowest link a sweep uses."""
+    text = os.environ.get("HARNESS_TIMEOUT_S", "300")
+    try:
+        timeout_s = float(text)
+    except ValueError:
+        timeout_s = math.nan
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise UserError(
+            f"HARNESS_TIMEOUT_S={text!r} is not a positive number of seconds; set it to e.g. 600 or unset it"
+        )
+    return timeout_s
+
+
+def check_method_options(method: str, options: dict[str, Any]) -> None:
+    """A known method, and options it has with values its config accepts; raises UserError."""
+    from trainers.registry import method_config
+
+    try:
+        method_config(method, options)
+    except (ValueError, TypeError) as err:
+        raise UserError(str(err)) from None
+
+
+def check_finite_options(options: dict[str, Any]) -> None:
+    """No method option is nan or infinite (click's FLOAT reads "nan" and "inf"); raises UserError."""
+    for name, value in options.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+
+
+LINK_EMULATORS = ("auto", "netem", "userspace")
+
+
+@dataclass
+class RunConfig:
+    method: str
+    profile: Profile
+    train: TrainConfig = field(default_factory=TrainConfig)
+    method_options: dict[str, Any] = field(default_factory=dict)
+    backend: Literal["netns", "docker"] = "netns"
+    clusters: int = 2
+    stages: int = 1
+    # Docker backend only: "auto" (one GPU per rank when the nvidia runtime is present), "none", or ids "0,1".
+    gpus: str = "auto"
+    mode: Literal["train", "calibrate"] = "train"
+    calibrate: bool = False
+    # What adds the profile's delay, jitter and loss: netem where the kernel has it (auto), else the userspace delay
+    # line (harness/net/delayline.py). The runner resolves auto and records the choice.
+    link_emulator: Literal["auto", "netem", "userspace"] = "auto"
+    # Faults to inject, as given: "KIND:STEP:ARG" (harness/run/faults.py).
+    faults: tuple[str, ...] = ()
+    # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
+    # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
+    collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
+    # Short, unique and safe in interface names (15 characters at most): it prefixes every kernel object a run makes.
+    run_key: str = field(default_factory=lambda: "hx" + secrets.token_hex(3))
+    run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            self.run_id = f"{stamp}-{self.method}-{self.profile.name}-{self.run_key}"
+
+    def validate(self) -> None:
+        """Everything the user chose, checked together before the host is touched; raises UserError."""
+        Topology(self.clusters, self.stages)
+        self.profile.check_sites(self.clusters)
+        if self.link_emulator not in LINK_EMULATORS:
+            raise UserError(f"--link-emulator must be one of {', '.join(LINK_EMULATORS)}, got {self.link_emulator!r}")
+        check_faults(
+            self.parsed_faults(),
+            self.train.steps,
+            self.clusters * self.stages,
+            self.backend,
+            self.profile.inter_cluster.rate_bps,
+        )
+        if self.mode == "calibrate" and self.clusters < 2:
+            raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
+        try:
+            self.train.validate()
+            # Imported here: the model and method registries load torch, which commands that only read
+            # profiles or results do not need.
+            from trainers.models import get_model_config
+
+            model_cfg = get_model_config(self.train.model)
+            if self.train.seq_len > model_cfg.max_seq_len:
+                raise ValueError(
+                    f"--seq-len {self.train.seq_len} exceeds model {model_cfg.name!r}'s "
+                    f"{model_cfg.max_seq_len}; use a shorter one"
+                )
+            if self.stages > 1:
+                from trainers.pipeline import validate_pipeline
+
+                microbatches = self.train.microbatches or self.stages
+                validate_pipeline(model_cfg, self.stages, microbatches, self.train.batch_size)
+        # The training side reports a bad setting as ValueError (or TypeError for a value of the wrong kind):
+        # here, and only here, that becomes the user's error.
+        except (ValueError, TypeError) as err:
+            raise UserError(str(err)) from None
+        check_method_options(self.method, self.method_options)
+        check_finite_options(self.method_options)
+        check_shapeable(self.profile)
+        if self.mode == "train":
+            # Last, as it reads the corpus (~0.1 s for the default one): every cheaper mistake is named first.
+            from trainers.data import check_data
+
+            try:
+                seq_len = self.train.seq_len or model_cfg.max_seq_len
+                check_data(self.train.data, seq_len, self.clusters, data_shift=self.train.data_shift)
+            except ValueError as err:
+                raise UserError(str(err)) from None
+
+    def parsed_faults(self) -> tuple[Fault, ...]:
+        return tuple(parse_fault(text) for text in self.faults)
+
+    def warnings(self) -> list[str]:
+        """Settings that run but measure little: call after validate(); each is one sentence naming the fix."""
+        from trainers.registry import method_config
+
+        warnings = []
+        if self.train.data_shift and self.train.data_shift >= self.train.steps:
+            warnings.append(
+                f"--data-shift {self.train.data_shift} is not below --steps {self.train.steps}: the data never "
+                "shifts and each replica trains on one eighth of its shard; use a smaller --data-shift"
+            )
+        cfg = method_config(self.method, self.method_options)
+        syncs = cfg.max_syncs(self.train.steps) if hasattr(cfg, "max_syncs") and self.clusters > 1 else None
+        if syncs is not None and syncs < MIN_SYNCS:
+            warnings.append(
+                f"{self.method} synchronizes at most {syncs} time(s) in {self.train.steps} steps (--local-steps "
+                f"{cfg.local_steps}): its throughput says little about communication; use more --steps or a "
+                "smaller --local-steps"
+            )
+        ranks, cores = self.clusters * self.stages, os.cpu_count() or 1
+        if self.backend == "netns" and ranks > cores:
+            warnings.append(
+                f"{ranks} ranks share {cores} CPU cores (each computes at ~{cores / ranks:.0%} of a core): compute, "
+                "not the link, may set the pace, so compare methods at the same cluster count or use fewer --clusters"
+            )
+        return warnings
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["profile"] = self.profile.to_dict()
+        return data
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def build(
+        cls,
+        method: str,
+        profile: str | Profile,
+        *,
+        clusters: int = 2,
+        stages: int = 1,
+        backend: Literal["netns", "docker"] = "netns",
+        gpus: str = "auto",
+        mode: Literal["train", "calibrate"] = "train",
+        calibrate: bool = False,
+        link_emulator: Literal["auto", "netem", "userspace"] = "auto",
+        faults: tuple[str, ...] = (),
+        collective_timeout_s: float | None = None,
+        **settings: Any,
+    ) -> RunConfig:
+        """A run from flat settings, as the CLI and sweeps have them.
+
+        Keys that name a TrainConfig field set it; `lr` sets the inner learning rate; every other key is an option
+        of the method (checked against the method's config when the run is validated). None means "default".
+        """
+        settings = {k: v for k, v in settings.items() if v is not None}
+        train_keys = {f.name for f in dataclasses.fields(TrainConfig)} - {"optim"}
+        train_settings = {k: settings.pop(k) for k in list(settings) if k in train_keys}
+        optim = OptimConfig(lr=settings.pop("lr")) if "lr" in settings else OptimConfig()
+        train = TrainConfig(**train_settings, optim=optim)
+        if "throughput_warmup_steps" not in train_settings and train.throughput_warmup_steps >= train.steps:
+            train = dataclasses.replace(train, throughput_warmup_steps=train.steps // 10)
+        return cls(
+            method=method,
+            profile=profile if isinstance(profile, Profile) else load_profile(profile),
+            train=train,
+            method_options=settings,
+            backend=backend,
+            gpus=gpus,
+            clusters=clusters,
+            stages=stages,
+            mode=mode,
+            calibrate=calibrate,
+            link_emulator=link_emulator,
+            faults=tuple(faults),
+            **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        data = json.loads(path.read_text())
+        profile = Profile.from_dict(data.pop("profile"))
+        train = data.pop("train")
+        optim = train.pop("optim")
+        optim["betas"] = tuple(optim["betas"])
+        data["faults"] = tuple(data.get("faults", ()))
+        return cls(profile=profile, train=TrainConfig(optim=OptimConfig(**optim), **train), **data)

@@ -1,0 +1,434 @@
+"""One run, start to end: validate, build the cluster, start the ranks, watch them, tear down, summarize.
+
+Everything a user can get wrong is checked in `validate` before anything is created on the host. After that,
+teardown is unconditional: workers are stopped and the cluster removed on success, on a failed rank, on Ctrl-C and
+on SIGTERM, and the results folder is finalized with status "ok" or "failed" either way.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from harness.backends import ClusterBackend, Worker, make_backend
+from harness.errors import UserError
+from harness.net.linkprobe import LinkCheckFailed, check_link
+from harness.net.shaping import probe_qdiscs
+from harness.net.topology import Topology
+from harness.run.config import RunConfig
+from harness.run.events import EventTail, read_events
+from harness.run.faults import FaultInjector
+from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder
+from harness.run.lock import RunLock
+from harness.run.summary import environment, summarize
+from harness.units import format_rate
+
+MASTER_PORT = 29500
+# How long a stopped worker gets to exit before SIGKILL.
+STOP_GRACE_S = 3.0
+# How long the consequences of a failed rank (its peers' connection errors) get to land before blame is assigned.
+FAILURE_SETTLE_S = 1.0
+
+
+class RunError(UserError):
+    """Bad input, found before anything was created."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the harness. A BaseException, as KeyboardInterrupt is: no `except Exception` on
+    the way (a backend's, a library's) may swallow it."""
+
+
+def validate(config: RunConfig, out: Path | None) -> RunFolder:
+    """Check everything the user chose, in one place, before the host is touched; returns the results folder."""
+    config.validate()
+    resolve_link_emulator(config)
+    if not (math.isfinite(config.collective_timeout_s) and config.collective_timeout_s > 0):
+        raise RunError(
+            f"the collective timeout must be a positive number of seconds, got {config.collective_timeout_s}"
+        )
+    if config.backend == "docker":
+        try:
+            from harness.backends.docker import unavailable_reason
+        except ImportError:
+            raise RunError("the docker backend needs the docker SDK; pip install 'harness[docker]'") from None
+        reason = unavailable_reason(config.clusters * config.stages, config.gpus)
+        if reason:
+            raise RunError(reason)
+    elif config.backend != "netns":
+        raise RunError(f"backend {config.backend!r} is not available; use --backend netns or --backend docker")
+    folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
+    folder.check()
+    return folder
+
+
+def resolve_link_emulator(config: RunConfig) -> str | None:
+    """What will add the profile's delay, jitter and loss: "netem", "userspace", or None when it asks for none.
+
+    auto takes netem where the kernel has it, else the userspace delay line; a choice the machine cannot honour is
+    refused here, before the host is touched. `userspace` puts the delay line in the path even for a profile with
+    no delay (its zero-delay baseline: comparing RTTs with the same forwarding cost in every run).
+    """
+    profile = config.profile
+    choice = config.link_emulator
+    if not profile.needs_netem and choice != "userspace":
+        return None
+    has_netem = probe_qdiscs(os.geteuid() != 0)["netem"]
+    if choice == "netem" and not has_netem:
+        raise RunError(
+            "--link-emulator netem needs sch_netem, which this kernel lacks; load it (modprobe sch_netem) or use "
+            "--link-emulator userspace (or auto)"
+        )
+    if choice == "netem" or (choice == "auto" and has_netem):
+        return "netem"
+    if config.backend != "netns":
+        raise RunError(
+            "--link-emulator userspace exists for the netns backend only; use --backend netns, or netem on a kernel "
+            "that has it"
+            if choice == "userspace"
+            else f"profile {profile.name!r} asks for delay, jitter or loss, this kernel has no sch_netem and the "
+            f"{config.backend} backend has no userspace delay line; use --backend netns or a kernel with sch_netem"
+        )
+    if profile.intra_cluster.needs_netem:
+        raise RunError(
+            f"profile {profile.name!r} sets delay, jitter or loss on its intra-cluster link, which only netem "
+            "can emulate (the delay line sits between clusters); remove them or use a kernel with sch_netem"
+        )
+    if not os.path.exists("/dev/net/tun"):
+        raise RunError(
+            "the userspace delay line needs TUN/TAP (/dev/net/tun), which this machine lacks; load it "
+            "(modprobe tun) or use a kernel with sch_netem"
+        )
+    return "userspace"
+
+
+# The watchdog: a run whose ranks log nothing for max(collective timeout, this many x the slowest step so far) is
+# stuck (a stopped or wedged rank that no collective timeout catches, e.g. SIGSTOP) and is failed.
+STALL_STEP_FACTOR = 10
+# How often the watcher polls the ranks and their events, and how often it checks that the cluster is still there.
+POLL_S = 0.25
+INTACT_CHECK_S = 2.0
+
+
+class _Signals:
+    """SIGINT and SIGTERM during a run interrupt it; once teardown has begun they are only recorded, so teardown
+    (stopping workers, removing the cluster, writing the summary) cannot be cut short by a user pressing Ctrl-C
+    again and again.
+
+    The handler only records: the runner raises Interrupted itself at points of its choosing (`check`, every poll
+    of the watch loop and between set-up steps). A handler that raised wherever the main thread happened to be
+    could land inside a callback Python guards (logging's at-fork hook, which runs at every fork pyroute2 makes to
+    read a namespace's counters; a finalizer), where the exception is printed and dropped, and the run went on.
+    """
+
+    def __init__(self) -> None:
+        self.runner_pid = os.getpid()
+        self.received: list[str] = []
+        self.tearing_down = False
+
+    def __enter__(self) -> _Signals:
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # pyroute2 forks helpers into namespaces; they inherit this handler and must just die, not finalize the run.
+        if os.getpid() != self.runner_pid:
+            os._exit(128 + signum)
+        self.received.append(signal.Signals(signum).name)
+
+    def check(self) -> None:
+        """Raise Interrupted if a signal arrived (and teardown has not begun)."""
+        if self.received and not self.tearing_down:
+            raise Interrupted(self.received[0])
+
+
+def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> str:
+    where = _where(rank, topology)
+    if code < 0:
+        return f"{where} was killed by {signal.Signals(-code).name}"
+    errors = [e for e in read_events(run_dir / "events" / f"rank{rank}.jsonl") if e["kind"] == "error"]
+    reason = f": {errors[-1]['error']}" if errors else f"; see logs/rank{rank}.log"
+    return f"{where} exited with code {code}{reason}"
+
+
+def _where(rank: int, topology: Topology) -> str:
+    return f"rank {rank} (cluster {topology.cluster_of(rank)}, stage {topology.stage_of(rank)})"
+
+
+def run(
+    config: RunConfig, out: Path | None = None, on_progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Run one benchmark; returns summary.json's content (with "results_dir").
+
+    `summary["interrupted_by"]` names the signal (SIGINT, SIGTERM) that stopped the run, if one did.
+    """
+    folder = validate(config, out)
+    # Held from before anything is created until everything is removed and the results are in place: while it is
+    # held, `harness cleanup` leaves this run alone; if the harness dies, however it dies, the kernel releases it.
+    with RunLock(config.run_key, staging=folder.staging):
+        return _run(config, folder, on_progress)
+
+
+def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    run_dir = folder.create()
+    topology = Topology(config.clusters, config.stages)
+    emulator = resolve_link_emulator(config)
+    cluster = make_backend(
+        config.backend,
+        config.run_key,
+        topology,
+        config.profile,
+        config.gpus,
+        link_emulator=emulator,
+        seed=config.train.seed,
+        log_dir=run_dir / "logs",
+    )
+    procs: dict[int, Worker] = {}
+    failure: str | None = None
+    record: dict[str, Any] = {"link_emulator": emulator, "faults": []}
+    injector: FaultInjector | None = None
+    qdiscs: list[dict] = []
+    with _Signals() as signals:
+        try:
+            config.save(run_dir / "config.json")
+            (run_dir / "logs").mkdir()
+            signals.check()
+            cluster.up()
+            signals.check()
+            record["cluster_setup_s"] = cluster.setup_s
+            if emulator and config.backend == "netns" and topology.clusters > 1:
+                record.update(check_link(cluster, topology, config.profile.path(0, 1), run_dir / "link_check.json"))
+                signals.check()
+            qdiscs = cluster.kernel_qdiscs()
+            wire = _WireMeter(cluster)
+            for rank in range(topology.world_size):
+                env = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(topology.world_size),
+                    "MASTER_ADDR": topology.master_address,
+                    "MASTER_PORT": str(MASTER_PORT),
+                    "PYTHONUNBUFFERED": "1",
+                }
+                argv = [sys.executable, "-m", "harness.run.worker", "--run-dir", str(run_dir)]
+                procs[rank] = cluster.spawn(rank, argv, env, run_dir / "logs" / f"rank{rank}.log")
+            injector = FaultInjector(
+                config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), run_dir / "events" / "faults.jsonl"
+            )
+            record["faults"] = injector.records
+            failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll)
+            killed = [r["rank"] for r in injector.records if r["fault"] == "kill"]
+            if failure and killed:
+                failure += f" (--fault kill injected on rank {', '.join(map(str, killed))})"
+            if failure is None:
+                record["wire_bytes_run"] = wire.total()
+        except Interrupted as sig:
+            signals.tearing_down = True
+            failure = f"interrupted by {sig} during the run"
+        except (BackendVanished, LinkCheckFailed) as err:
+            failure = str(err)
+        except Exception as err:
+            failure = f"harness error: {type(err).__name__}: {err}"
+            raise
+        finally:
+            signals.tearing_down = True
+            record["interrupted_by"] = signals.received[0] if signals.received else None
+            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector)
+    summary["results_dir"] = str(final)
+    return summary
+
+
+def _teardown(
+    config: RunConfig,
+    folder: RunFolder,
+    cluster: ClusterBackend,
+    procs: dict[int, Worker],
+    failure: str | None,
+    record: dict[str, Any],
+    qdiscs: list[dict],
+    injector: FaultInjector | None = None,
+) -> tuple[dict[str, Any], Path]:
+    """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
+    teardown_errors = []
+    steps = [("stopping the workers", lambda: _stop(procs)), ("removing the cluster", cluster.down)]
+    if injector is not None:
+        steps.insert(1, ("ending an injected outage", injector.restore))
+    for what, step in steps:
+        try:
+            step()
+        except Exception as err:
+            teardown_errors.append(f"{what}: {type(err).__name__}: {err}")
+    if teardown_errors and failure is None:
+        failure = "teardown failed: " + "; ".join(teardown_errors)
+    record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
+    summary = summarize(config, folder.staging, failure, record)
+    summary["teardown_errors"] = teardown_errors
+    folder.write_json(
+        "environment.json",
+        environment(
+            {
+                "backend": config.backend,
+                "link_emulator": record.get("link_emulator"),
+                "applied_qdiscs": cluster.applied_qdiscs,
+                "kernel_qdiscs": qdiscs,
+            }
+        ),
+    )
+    folder.write_json("summary.json", summary)
+    return summary, folder.commit()
+
+
+class BackendVanished(Exception):
+    """Part of the emulated cluster disappeared under the run; the message says which."""
+
+
+class _WireMeter:
+    """The backend's wire counter since the start of the run; a counter that cannot be read because its namespace
+    or container disappeared is reported as that, not as a traceback."""
+
+    def __init__(self, cluster: ClusterBackend):
+        self.cluster = cluster
+        self.start = self.read()
+
+    def read(self) -> int:
+        try:
+            return self.cluster.wire_bytes()
+        except Exception:
+            gone = self.cluster.vanished()
+            if gone:
+                raise BackendVanished(gone) from None
+            raise
+
+    def total(self) -> int:
+        return self.read() - self.start
+
+
+def _watch(
+    procs: dict[int, Worker],
+    topology: Topology,
+    run_dir: Path,
+    config: RunConfig,
+    wire: _WireMeter,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    check_signals: Callable[[], None],
+    inject_faults: Callable[[int], None] = lambda steps_done: None,
+) -> str | None:
+    """Wait for every rank; a rank that fails fails the run (the others would hang in collectives), and so does a
+    run that makes no progress (the watchdog) or whose cluster disappears. `inject_faults` gets rank 0's completed
+    steps at every poll (harness/run/faults.py)."""
+    tails = {rank: EventTail(run_dir / "events" / f"rank{rank}.jsonl") for rank in procs}
+    last_event_at = dict.fromkeys(procs, time.monotonic())
+    steps_logged = dict.fromkeys(procs, 0)
+    slowest_step_s = 0.0
+    last_wire, last_t = wire.read(), time.monotonic()
+    last_intact_check = last_t
+    latest: dict[str, Any] = {}
+    while True:
+        check_signals()
+        if any(p.poll() not in (None, 0) for p in procs.values()):
+            return _first_failure(procs, topology, run_dir)
+        if all(p.poll() == 0 for p in procs.values()):
+            return None
+        time.sleep(POLL_S)
+        now = time.monotonic()
+        for rank, tail in tails.items():
+            for event in tail:
+                last_event_at[rank] = now
+                if event["kind"] == "step":
+                    steps_logged[rank] += 1
+                    slowest_step_s = max(slowest_step_s, event["step_s"])
+                    if rank == topology.world_size - 1:
+                        latest.update(event)
+                elif event["kind"] == "eval" and rank == topology.world_size - 1:
+                    latest["val_loss"] = event["val_loss"]
+        inject_faults(steps_logged[0])
+        if now - last_intact_check >= INTACT_CHECK_S:
+            last_intact_check = now
+            gone = wire.cluster.vanished()
+            if gone:
+                raise BackendVanished(gone)
+        stall_s = max(config.collective_timeout_s, STALL_STEP_FACTOR * slowest_step_s)
+        if now - max(last_event_at.values()) > stall_s:
+            return _stalled(procs, topology, steps_logged, now - max(last_event_at.values()))
+        if on_progress is None:
+            continue
+        total = wire.read()
+        rate = config.profile.inter_cluster.rate_bps
+        link_bps = (total - last_wire) * 8 / max(now - last_t, 1e-6)
+        last_wire, last_t = total, now
+        on_progress(
+            {
+                **latest,
+                "total_steps": config.train.steps,
+                "link_bps": link_bps,
+                "link_utilisation": link_bps / (rate * topology.clusters) if rate else None,
+                "link": format_rate(rate) if rate else "unshaped",
+            }
+        )
+
+
+def _stopped(proc: Worker) -> bool:
+    """Whether the kernel has the worker's process stopped (SIGSTOP, a debugger): state T or t in /proc."""
+    pid = getattr(proc, "pid", None)
+    if pid is None:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
+
+
+def _stalled(procs: dict[int, Worker], topology: Topology, steps_logged: dict[int, int], idle_s: float) -> str:
+    """Name the rank that holds the others up: a stopped process if there is one, else the one furthest behind."""
+    stopped = [rank for rank, proc in procs.items() if _stopped(proc)]
+    if stopped:
+        return f"{_where(stopped[0], topology)} made no progress for {idle_s:.0f} s: its process is stopped"
+    behind = min(procs, key=lambda rank: (steps_logged[rank], rank))
+    return (
+        f"no rank made progress for {idle_s:.0f} s (watchdog: max(collective timeout, {STALL_STEP_FACTOR} x the "
+        f"slowest step)); {_where(behind, topology)} logged the fewest steps ({steps_logged[behind]})"
+    )
+
+
+def _first_failure(procs: dict[int, Worker], topology: Topology, run_dir: Path) -> str:
+    """The rank whose failure caused the others': its peers fail too, within moments, with connection errors.
+
+    After a short settle, the cause is a rank killed by a signal (it could log nothing), else the rank whose error
+    event came first.
+    """
+    time.sleep(FAILURE_SETTLE_S)
+    failed = {rank: code for rank, p in procs.items() if (code := p.poll()) not in (None, 0)}
+
+    def first_sign(rank: int) -> float:
+        if failed[rank] < 0:
+            return -math.inf
+        errors = [e["t"] for e in read_events(run_dir / "events" / f"rank{rank}.jsonl") if e["kind"] == "error"]
+        return min(errors, default=math.inf)
+
+    cause = min(failed, key=lambda rank: (first_sign(rank), rank))
+    return _describe_exit(cause, failed[cause], topology, run_dir)
+
+
+def _stop(procs: dict[int, Worker]) -> None:
+    """SIGTERM every live worker, then SIGKILL what is left after the grace period; reap them all."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs.values():
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

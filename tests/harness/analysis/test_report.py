@@ -1,0 +1,330 @@
+"""The report's tables and arithmetic, on run folders with known (made-up) numbers."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from harness.analysis import report
+from harness.analysis.report import ReportError, comparison, load_runs, markdown
+from harness.cli import main
+from tests.harness.fakeruns import EVAL_S, write_run
+
+
+@pytest.fixture
+def results(tmp_path):
+    """Two seeds each of allreduce, opendiloco (H=10) and local on 1gbps; one allreduce on 100mbps; one failure."""
+    root = tmp_path / "sweep" / "runs"
+    h10 = {"local_steps": 10}
+    for name, method, seed, tokens_per_s, wire, losses, options in (
+        ("ar-s0", "allreduce", 0, 1000, 400, (5.5, 4.4, 4.0), {}),
+        ("ar-s1", "allreduce", 1, 1200, 400, (5.5, 4.2, 3.8), {}),
+        ("dl-s0", "opendiloco", 0, 5500, 4, (5.5, 4.6, 4.1), h10),
+        ("dl-s1", "opendiloco", 1, 5500, 4, (5.5, 4.8, 4.3), h10),
+        ("local-s0", "local", 0, 11000, 0, (5.5, 5.0, 4.9), {}),
+    ):
+        write_run(root, name, method, seed=seed, tokens_per_s=tokens_per_s, wire_bytes_per_token=wire,
+                  val_losses=losses, options=options)  # fmt: skip
+    write_run(root, "ar-100", "allreduce", profile="100mbps", tokens_per_s=300, val_losses=(5.5, 4.4, 4.0))
+    write_run(root, "broken", "opendiloco", failure="rank 1 exited with code 1", options=h10)
+    return tmp_path / "sweep"
+
+
+def row(table: pd.DataFrame, variant: str, profile: str = "1gbps") -> pd.Series:
+    return table[(table["variant"] == variant) & (table["profile"] == profile)].iloc[0]
+
+
+def cells_of(text: str, variant: str, profile: str = "1gbps") -> list[str]:
+    """The cells of the first markdown row whose method starts with `variant`, in `profile`'s section."""
+    section = text[text.index(f"### {profile} ") :]
+    line = next(x for x in section.splitlines() if x.startswith(f"| {variant}"))
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_tidy_tables_have_one_row_per_run_and_per_event(results):
+    tables = load_runs([results])
+    assert len(tables.runs) == 7
+    assert set(tables.runs["status"]) == {"ok", "failed"}
+    assert set(tables.runs["variant"]) == {"allreduce", "opendiloco local_steps=10", "local"}
+    # Paths are relative to the folder named, so copied results report the same.
+    assert set(tables.runs["path"]) >= {"sweep/runs/ar-s0", "sweep/runs/local-s0"}
+    # 2 ranks x (20 steps + 3 evals) per run.
+    assert (tables.events.groupby("run_id").size() == 2 * 23).all()
+    assert set(tables.events["kind"]) == {"step", "eval"}
+
+
+def test_elapsed_time_leaves_evaluation_out(results):
+    events = load_runs([results / "runs" / "ar-s0"]).events
+    rank0 = events[events["rank"] == 0]
+    step_s = 2048 / 1000
+    last_step = rank0[(rank0["kind"] == "step") & (rank0["step"] == 19)].iloc[0]
+    assert last_step["elapsed_s"] == pytest.approx(20 * step_s)
+    final_eval = rank0[(rank0["kind"] == "eval") & (rank0["step"] == 20)].iloc[0]
+    assert final_eval["elapsed_s"] == pytest.approx(20 * step_s)
+    middle_eval = rank0[(rank0["kind"] == "eval") & (rank0["step"] == 10)].iloc[0]
+    assert middle_eval["elapsed_s"] == pytest.approx(10 * step_s)
+    assert EVAL_S > 0  # the fake run did spend time evaluating, which elapsed_s must not count
+
+
+def test_ratios_reductions_utilisation_and_losses(results):
+    table = comparison(load_runs([results]))
+    ar, dl, local = row(table, "allreduce"), row(table, "opendiloco local_steps=10"), row(table, "local")
+    assert ar["tokens_per_s"] == pytest.approx(1100)
+    assert ar["tokens_per_s_std"] == pytest.approx(math.sqrt(2 * 100**2))
+    # n = 2: the range, not a standard deviation.
+    assert (ar["tokens_per_s_n"], ar["tokens_per_s_low"], ar["tokens_per_s_high"]) == (2, 1000, 1200)
+    # allreduce ran seeds 0 and 1 too: the ratio is paired, per seed, then averaged.
+    assert dl["ratio_to_allreduce_pairing"] == "paired"
+    assert dl["ratio_to_allreduce"] == pytest.approx((5500 / 1000 + 5500 / 1200) / 2)
+    assert (dl["ratio_to_allreduce_low"], dl["ratio_to_allreduce_high"]) == pytest.approx((5500 / 1200, 5.5))
+    assert ar["ratio_to_allreduce"] == 1.0 and ar["ratio_to_allreduce_pairing"] == "reference"
+    assert dl["wire_reduction"] == pytest.approx(100.0)
+    # local ran only seed 0: utilisation of a two-seed variant is the ratio of means, without spread.
+    assert dl["utilisation_pairing"] == "ratio of means"
+    assert dl["utilisation"] == pytest.approx(0.5) and math.isnan(dl["utilisation_low"])
+    assert ar["utilisation"] == pytest.approx(0.1)
+    assert local["utilisation"] == pytest.approx(1.0)
+    assert dl["final_val_loss"] == pytest.approx(4.2)
+    assert dl["final_val_loss_std"] == pytest.approx(math.sqrt(0.02))
+    assert (ar["seeds"], ar["runs"]) == ("0,1", 2)
+    # The fake steps spend 3/4 of their time computing: each run reaches 75% of its own compute ceiling.
+    assert ar["compute_utilisation"] == pytest.approx(0.75) and local["compute_utilisation"] == pytest.approx(0.75)
+
+
+def test_interval_of_three_runs_is_the_student_t_one(tmp_path):
+    speeds = (1000.0, 1100.0, 1300.0)
+    for seed, speed in enumerate(speeds):
+        write_run(tmp_path, f"ar-s{seed}", "allreduce", seed=seed, tokens_per_s=speed)
+        write_run(tmp_path, f"dl-s{seed}", "opendiloco", seed=seed, tokens_per_s=5000, options={"local_steps": 5})
+    tables = load_runs([tmp_path])
+    table = comparison(tables)
+    ar = row(table, "allreduce")
+    # By hand: mean 1133.33, sample std sqrt((133.33^2 + 33.33^2 + 166.67^2) / 2) = 152.75, t_{0.975,2} = 4.3027.
+    half = 4.3027 * 152.7525 / math.sqrt(3)
+    assert ar["tokens_per_s_n"] == 3
+    assert ar["tokens_per_s"] == pytest.approx(1133.333, abs=1e-3)
+    assert (ar["tokens_per_s_low"], ar["tokens_per_s_high"]) == pytest.approx((1133.333 - half, 1133.333 + half))
+    # Paired ratio: per seed 5, 4.545, 3.846; mean 4.464, sample std 0.5812.
+    dl = row(table, "opendiloco local_steps=5")
+    ratios = [5000 / s for s in speeds]
+    mean = sum(ratios) / 3
+    std = math.sqrt(sum((r - mean) ** 2 for r in ratios) / 2)
+    assert dl["ratio_to_allreduce_pairing"] == "paired" and dl["ratio_to_allreduce_n"] == 3
+    assert dl["ratio_to_allreduce"] == pytest.approx(mean) == pytest.approx(4.4639, abs=1e-4)
+    assert std == pytest.approx(0.5812, abs=1e-4)
+    assert dl["ratio_to_allreduce_high"] - mean == pytest.approx(4.3027 * std / math.sqrt(3))
+    cells = cells_of(markdown(table, tables.runs), "allreduce")
+    assert cells[1] == "3" and cells[3] == f"1,133 ± {half:,.0f}" == "1,133 ± 379"
+    assert cells_of(markdown(table, tables.runs), "opendiloco")[4] == "4.46x ± 1.4 (paired)"
+    assert report.t_quantile_975(2) == 4.3027 and report.t_quantile_975(60) == pytest.approx(2.0003, abs=1e-4)
+
+
+def test_one_run_says_it_has_no_spread(tmp_path):
+    write_run(tmp_path, "ar", "allreduce", tokens_per_s=1000, val_losses=(5.5, 4.5, 4.0))
+    write_run(tmp_path, "dl", "opendiloco", tokens_per_s=4000, options={"local_steps": 5})
+    tables = load_runs([tmp_path])
+    table = comparison(tables)
+    assert row(table, "allreduce")["tokens_per_s_n"] == 1
+    assert math.isnan(row(table, "allreduce")["tokens_per_s_low"])
+    cells = cells_of(markdown(table, tables.runs), "opendiloco")
+    assert cells[1:5] == ["1", "0", "4,000 (n=1, no spread)", "4x (n=1, no spread, paired)"]
+    assert cells[6] == "75% (n=1, no spread)" and cells[9] == "4.000 (n=1, no spread)"
+    assert "± " not in cells_of(markdown(table, tables.runs), "allreduce")[3]
+
+
+def test_compute_utilisation_uses_the_median_compute_after_warm_up_and_the_slowest_stage(tmp_path):
+    # 2048 tokens per step at 1000 tokens/s; warm-up steps (0-4) compute slowly and must not count.
+    def compute(rank, step):
+        if step < 5:
+            return 10.0
+        return (0.8, 1.0, 1.2)[step % 3] * (1.5 if rank % 2 else 1.0)
+
+    write_run(tmp_path, "flat", "local", tokens_per_s=1000, compute_s=compute)
+    write_run(tmp_path, "piped", "local", tokens_per_s=1000, compute_s=compute, options={"stages": 2})
+    runs = load_runs([tmp_path]).runs
+    runs.index = runs["path"].str.rsplit("/", n=1).str[-1]
+    # Median after warm-up: 1.0 s on rank 0; ceiling 2048 tokens/s.
+    assert runs.loc["flat", "compute_ceiling_tokens_per_s"] == pytest.approx(2048)
+    assert runs.loc["flat", "compute_utilisation"] == pytest.approx(1000 / 2048)
+    # Two stages: rank 1 (stage 1) is 1.5x slower and sets the pace.
+    assert runs.loc["piped", "compute_ceiling_tokens_per_s"] == pytest.approx(2048 / 1.5)
+    assert runs.loc["piped", "compute_utilisation"] == pytest.approx(1.5 * 1000 / 2048)
+
+
+def test_applied_and_trained_throughput_and_few_syncs_are_shown(tmp_path):
+    write_run(tmp_path, "ar", "allreduce", tokens_per_s=1000)
+    # 20 steps, 5 of warm-up, the last 5 not in the final model: 10 of the window's 15 steps applied.
+    write_run(tmp_path, "dl", "opendiloco", tokens_per_s=6000, sync_every=10, applied_steps=15,
+              options={"local_steps": 10})  # fmt: skip
+    tables = load_runs([tmp_path])
+    table = comparison(tables)
+    dl = row(table, "opendiloco local_steps=10")
+    assert dl["tokens_per_s"] == pytest.approx(4000) and dl["trained_tokens_per_s"] == pytest.approx(6000)
+    assert dl["sync_count_min"] == 2 and dl["few_syncs"] and not row(table, "allreduce")["few_syncs"]
+    text = markdown(table, tables.runs)
+    header = next(x for x in text.splitlines() if x.startswith("| method"))
+    assert "| applied tokens/s | trained tokens/s |" in " ".join(header.split())
+    cells = cells_of(text, "opendiloco")
+    assert cells[0] == "opendiloco local_steps=10 ⚠ 2 syncs"
+    assert cells[3:5] == ["4,000 (n=1, no spread)", "6,000 (n=1, no spread)"]
+    assert "⚠: its runs crossed the slow link fewer than 3 times" in text
+    # Where applied and trained agree, there is no trained column.
+    only_ar = load_runs([tmp_path / "ar"])
+    assert "trained tokens/s" not in markdown(comparison(only_ar), only_ar.runs)
+
+
+def test_default_target_is_allreduce_loss_plus_five_percent(results):
+    table = comparison(load_runs([results]))
+    ar, dl, local = row(table, "allreduce"), row(table, "opendiloco local_steps=10"), row(table, "local")
+    # allreduce's final losses 4.0 and 3.8: mean 3.9, x 1.05.
+    assert ar["target_loss"] == pytest.approx(3.9 * 1.05) and ar["target_source"] == "allreduce"
+    # allreduce seed 0 gets below 4.095 at step 20 (4.4, then 4.0), seed 1 also at step 20 (4.2, then 3.8) ...
+    assert ar["reached"] == 2
+    assert ar["tokens_to_target"] == pytest.approx(20 * 2048)
+    assert ar["time_to_target_s"] == pytest.approx((20 * 2048 / 1000 + 20 * 2048 / 1200) / 2)
+    # ... opendiloco ends at 4.1 and 4.3, local at 4.9: never reached, whatever their last evaluation.
+    assert dl["reached"] == 0 and math.isnan(dl["tokens_to_target"]) and local["reached"] == 0
+    tables = load_runs([results])
+    text = markdown(comparison(tables), tables.runs)
+    assert "Target validation loss: 4.095 (allreduce's final 3.900 x 1.05)." in text
+    assert cells_of(text, "opendiloco")[-2:] == ["not reached", "not reached"]
+
+
+def test_given_target_and_groups_without_allreduce(results):
+    write_run(results / "runs", "dl-100", "opendiloco", profile="100mbps", tokens_per_s=300,
+              options={"local_steps": 10})  # fmt: skip
+    (results / "runs" / "ar-100").rename(results / "ar-100-elsewhere")  # 100mbps now has no allreduce run
+    tables = load_runs([results / "runs"])
+    table = comparison(tables, target_loss=4.0)
+    assert set(table["target_loss"]) == {4.0}
+    assert row(table, "allreduce")["reached"] == 2
+    assert row(table, "opendiloco local_steps=10")["reached"] == 0
+    assert row(table, "opendiloco local_steps=10", "100mbps")["reached"] == 1
+    assert "Target validation loss: 4.000 (--target-loss)." in markdown(table, tables.runs)
+    # Without --target-loss the group without allreduce has no target: one line, no target columns.
+    table = comparison(tables)
+    slow = row(table, "opendiloco local_steps=10", "100mbps")
+    assert math.isnan(slow["target_loss"]) and math.isnan(slow["ratio_to_allreduce"])
+    assert math.isnan(slow["utilisation"])
+    text = markdown(table, tables.runs)
+    section = text[text.index("### 100mbps") : text.index("### 1gbps")]
+    assert "Tokens and time to target: not computed (no allreduce run in this group" in section
+    assert "tokens to target" not in section and "tokens to target" in text[text.index("### 1gbps") :]
+
+
+def test_markdown_shows_the_comparison_and_the_failures(results):
+    tables = load_runs([results])
+    text = markdown(comparison(tables), tables.runs)
+    assert "### 1gbps (1 Gbit/s) · model tiny" in text and "### 100mbps (100 Mbit/s)" in text
+    assert "n: runs aggregated" in text
+    cells = cells_of(text, "opendiloco local_steps=10")
+    # Loss vs allreduce, paired per seed: 4.1 / 4.0 and 4.3 / 3.8.
+    assert cells[1:12] == [
+        "2", "0,1", "5,500 (range 5,500–5,500)", "5.04x (range 4.58x–5.5x, paired)", "50% (ratio of means)",
+        "75% (range 75%–75%)", "4.0", "100x", "4.200 (range 4.100–4.300)", "+7.83% (range +2.5%–+13.2%, paired)",
+        "not reached",
+    ]  # fmt: skip
+    assert cells_of(text, "allreduce")[4:6] == ["1x", "10% (ratio of means)"]
+    assert "1 failed run(s)" in text and "sweep/runs/broken: rank 1 exited with code 1" in text
+
+
+def test_report_runs_on_results_copied_elsewhere(results, tmp_path):
+    copy = tmp_path / "elsewhere" / "copied"
+    shutil.copytree(results, copy)
+    shutil.rmtree(results)
+    tables = load_runs([copy])
+    assert set(tables.runs["path"]) >= {"copied/runs/ar-s0"}
+    assert len(comparison(tables)) == 4
+
+
+def test_no_runs_and_only_failed_runs_are_clear_errors(tmp_path):
+    with pytest.raises(ReportError, match="no run folders"):
+        load_runs([tmp_path])
+    write_run(tmp_path, "broken", failure="rank 0 was killed by SIGKILL")
+    with pytest.raises(ReportError, match="no successful runs"):
+        comparison(load_runs([tmp_path]))
+
+
+def test_parquet_without_an_engine_says_so(results, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "parquet_engine", lambda: None)
+    with pytest.raises(ReportError, match="parquet needs pyarrow or fastparquet"):
+        report.write_parquet(comparison(load_runs([results])), tmp_path / "x.parquet")
+
+
+def test_cli_prints_markdown_and_writes_tables(results, tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "parquet_engine", lambda: None)
+    out = CliRunner().invoke(
+        main, ["report", str(results), "--csv", str(tmp_path / "c.csv"), "--tables", str(tmp_path / "t")]
+    )
+    assert out.exit_code == 0, out.output
+    assert "| allreduce" in out.output
+    compared = pd.read_csv(tmp_path / "c.csv")
+    assert len(compared) == 4
+    assert {"tokens_per_s_n", "tokens_per_s_low", "ratio_to_allreduce_pairing", "compute_utilisation"} <= set(compared)
+    runs = pd.read_csv(tmp_path / "t" / "runs.csv")
+    assert len(runs) == 7 and {"compute_utilisation", "compute_ceiling_tokens_per_s"} <= set(runs)
+    given = CliRunner().invoke(main, ["report", str(results), "--target-loss", "4.25"])
+    assert given.exit_code == 0 and "Target validation loss: 4.250 (--target-loss)." in given.output
+    assert (tmp_path / "t" / "events.csv").is_file()
+    failed = CliRunner().invoke(main, ["report", str(results), "--parquet", str(tmp_path / "c.parquet")])
+    assert failed.exit_code == 2 and "neither is installed" in failed.output
+
+
+def test_a_regime_matched_group_shows_the_ratio_normalized_to_the_target(tmp_path):
+    """(1 + R_target) x utilisation: the ratio at exactly the target's R, next to the raw one."""
+    import json
+
+    for seed in (0, 1, 2):
+        for method, tokens_per_s in (("allreduce", 50.0), ("dilocox", 9_000.0), ("local", 18_000.0)):
+            out = write_run(tmp_path, f"{method}-s{seed}", method, seed=seed, tokens_per_s=tokens_per_s)
+            summary = json.loads((out / "summary.json").read_text())
+            summary["regime_target_r"] = 357.5
+            (out / "summary.json").write_text(json.dumps(summary))
+    tables = load_runs([tmp_path])
+    table = comparison(tables)
+    dilocox = table[table["method"] == "dilocox"].iloc[0]
+    assert dilocox["normalized_ratio"] == pytest.approx(358.5 * 0.5)
+    text = markdown(table, tables.runs)
+    assert "(1 + 357.5) x utilisation" in text and "179x" in text and "358.5x (by definition)" in text
+
+
+def _straggler_runs(root, method: str, waits_by_seed: dict[int, list[float]]) -> None:
+    """4-site runs on the straggler profile whose per-site waiting times are set by the test."""
+    import json
+
+    for seed, waits in waits_by_seed.items():
+        run = write_run(root, f"{method}-s{seed}", method, profile="straggler-1gbps-one-site-100mbps", seed=seed,
+                        options={"clusters": 4})  # fmt: skip
+        summary = json.loads((run / "summary.json").read_text())
+        for site, waited in zip(summary["per_cluster"], waits, strict=True):
+            site["comm_blocked_s"] = waited
+        (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_per_site_table_for_uneven_sites_only(results, tmp_path):
+    root = tmp_path / "straggler"
+    _straggler_runs(root, "allreduce", {0: [3.0, 3.0, 3.0, 1.0], 1: [5.0, 5.0, 5.0, 1.0], 2: [4.0, 4.0, 4.0, 1.0]})
+    tables = load_runs([root, results])
+    sites = report.site_comparison(tables)
+    # The 2-site groups on one rate (the `results` fixture) have no per-site rows.
+    assert set(sites["profile"]) == {"straggler-1gbps-one-site-100mbps"}
+    assert sites["cluster"].tolist() == [0, 1, 2, 3]
+    assert sites["uplink_rate_bps"].tolist() == [1e9, 1e9, 1e9, 1e8]
+    site0 = sites.iloc[0]
+    assert site0["waited_s"] == pytest.approx(4.0) and site0["waited_s_n"] == 3
+    half = report.t_quantile_975(2) * 1.0 / math.sqrt(3)  # values 3, 5, 4: sample std 1
+    assert (site0["waited_s_low"], site0["waited_s_high"]) == pytest.approx((4.0 - half, 4.0 + half))
+    text = markdown(comparison(tables), tables.runs, sites)
+    section = text[text.index("### straggler-1gbps-one-site-100mbps") :]
+    assert "Per site:" in section and "Per site:" not in text[: text.index("### straggler")]
+    per_site = section[section.index("Per site:") :]
+    line = next(x for x in per_site.splitlines() if x.startswith("| allreduce") and "| 3 " in x)
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    assert cells[2] == "100 Mbit/s" and cells[4] == "1.00 s ± 0.00"
+    out = CliRunner().invoke(main, ["report", str(root), "--tables", str(tmp_path / "t")])
+    assert out.exit_code == 0 and "Per site:" in out.output, out.output
+    assert len(pd.read_csv(tmp_path / "t" / "sites.csv")) == 12

@@ -1,0 +1,204 @@
+"""Sweeps: the plan, resuming, failures, the regime profile; and one real sweep of two methods, then its report."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from harness import cli
+from harness.analysis import regime as regime_module
+from harness.analysis.regime import TARGETS, Regime, regime_profile
+from harness.analysis.report import comparison, load_runs, markdown
+from harness.analysis.sweep import (
+    SweepError,
+    SweepInterrupted,
+    SweepSpec,
+    build_config,
+    parse_set,
+    run_sweep,
+)
+from harness.net.profiles import load_profile
+from harness.run import runner
+from harness.userns import user_namespaces_work
+from tests.harness.fakeruns import write_run
+
+
+def test_set_values_are_parsed_and_method_options_go_only_where_they_apply():
+    assert parse_set("local_steps=10,50") == ("local_steps", (10, 50))
+    assert parse_set("lr=1e-3,0.01") == ("lr", (1e-3, 0.01))
+    assert parse_set("pseudo-grad-dtype=fp16,bf16") == ("pseudo_grad_dtype", ("fp16", "bf16"))
+    assert parse_set("bits=4,none") == ("bits", (4, "none"))
+    with pytest.raises(SweepError, match="KEY=V1,V2"):
+        parse_set("local_steps")
+    spec = SweepSpec(("allreduce", "opendiloco"), ("1gbps",), (0, 1), grid=(parse_set("local_steps=10,50"),))
+    names = [c.name for c in spec.combinations()]
+    # allreduce has no local_steps: it runs once per seed, not once per value.
+    assert names == [
+        "allreduce-1gbps-s0",
+        "opendiloco-1gbps-s0-local_steps=10",
+        "opendiloco-1gbps-s0-local_steps=50",
+        "allreduce-1gbps-s1",
+        "opendiloco-1gbps-s1-local_steps=10",
+        "opendiloco-1gbps-s1-local_steps=50",
+    ]
+    assert spec.config(spec.combinations()[0]).method_options == {}
+    assert spec.config(spec.combinations()[2]).method_options == {"local_steps": 50}
+
+
+def test_runs_go_round_robin_seed_and_repeat_outermost_then_profile_then_method():
+    spec = SweepSpec(("allreduce", "dilocox", "local"), ("1gbps", "100mbps"), (0, 1), repeats=2)
+    names = [c.name for c in spec.combinations()]
+    # Each seed's (and repeat's) methods run back to back, so a slow moment of the machine hits every method.
+    assert names == [
+        f"{method}-{profile}-s{seed}-r{repeat}"
+        for seed in (0, 1)
+        for repeat in (0, 1)
+        for profile in ("1gbps", "100mbps")
+        for method in ("allreduce", "dilocox", "local")
+    ]
+    assert names[:3] == ["allreduce-1gbps-s0-r0", "dilocox-1gbps-s0-r0", "local-1gbps-s0-r0"]
+    assert len(set(names)) == 2 * 2 * 2 * 3
+
+
+def test_settings_are_routed_by_name_and_checked_before_anything_runs():
+    config = build_config("opendiloco", "1gbps", 3, {"model": "tiny", "steps": 20, "lr": 1e-3, "stages": 2,
+                                                     "local_steps": 5, "bits": 2})  # fmt: skip
+    assert (config.train.model, config.train.seed, config.train.optim.lr, config.stages) == ("tiny", 3, 1e-3, 2)
+    assert config.method_options == {"local_steps": 5}  # bits is cocktail's, not opendiloco's
+    assert config.train.throughput_warmup_steps == 5  # the default fits in 20 steps; as `harness run` keeps it
+    assert build_config("allreduce", "1gbps", 0, {"steps": 4}).train.throughput_warmup_steps == 0
+    with pytest.raises(SweepError, match="unknown setting"):
+        SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"nosuch": 1}).validate()
+    with pytest.raises(SweepError, match="opendiloco-1gbps-s0-local_steps=0"):
+        SweepSpec(("opendiloco",), ("1gbps",), (0,), grid=(("local_steps", (0,)),)).validate()
+    with pytest.raises(SweepError, match="not an option of method 'allreduce'"):
+        SweepSpec(("allreduce",), ("1gbps",), (0,), per_method={"allreduce": {"local_steps": 3}}).validate()
+
+
+@pytest.fixture
+def fake_runner(monkeypatch):
+    """harness.run.runner.run replaced by one that writes a finished fake run (or fails as told); records its calls."""
+    calls: list[str] = []
+    fail: dict[str, str] = {}
+
+    def fake_run(config, out, on_progress=None):
+        calls.append(out.name)
+        if out.name in fail:
+            raise runner.RunError(fail[out.name])
+        write_run(out.parent, out.name, config.method, config.profile.name, config.train.seed)
+        return {**json.loads((out / "summary.json").read_text()), "results_dir": str(out)}
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    return calls, fail
+
+
+def test_resume_skips_finished_runs_and_redoes_interrupted_and_failed_ones(tmp_path, fake_runner):
+    calls, fail = fake_runner
+    spec = SweepSpec(("allreduce", "local"), ("1gbps", "100mbps"), (0,), settings={"steps": 20})
+    out = tmp_path / "sweep"
+    fail["local-100mbps-s0"] = "profile needs netem"
+    rows = run_sweep(spec, out, command="harness sweep --methods allreduce,local --profiles 1gbps,100mbps")
+    assert calls == ["allreduce-1gbps-s0", "local-1gbps-s0", "allreduce-100mbps-s0", "local-100mbps-s0"]
+    assert [r.status for r in rows] == ["ok", "ok", "ok", "failed"]
+    # An interrupted run leaves only a staging folder; a finished run's folder is complete.
+    (out / "runs" / "allreduce-100mbps-s0").rename(out / "runs" / ".allreduce-100mbps-s0.partial")
+    del fail["local-100mbps-s0"]
+    calls.clear()
+    rows = run_sweep(spec, out)
+    assert calls == ["allreduce-100mbps-s0", "local-100mbps-s0"]
+    assert [r.skipped for r in rows] == [True, True, False, False]
+    assert not (out / "runs" / ".allreduce-100mbps-s0.partial").exists()
+    index = pd.read_csv(out / "index.csv")
+    assert list(index["status"]) == ["ok"] * 4
+    assert list(index["path"]) == [f"runs/{c.name}" for c in spec.combinations()]
+    calls.clear()
+    run_sweep(spec, out, force=True)
+    assert len(calls) == 4
+
+
+def test_sweep_json_holds_the_command_that_makes_the_sweep(tmp_path, fake_runner, monkeypatch):
+    spec = SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 20})
+    run_sweep(spec, tmp_path / "api")
+    assert json.loads((tmp_path / "api" / "sweep.json").read_text()) == {"settings": {"steps": 20, "per_method": {}},
+                                                                          "command": None}  # fmt: skip
+    # From the command line: the exact command, quoted so it can be pasted back.
+    monkeypatch.setattr(cli, "_reexec_if_unprivileged", lambda: None)
+    out = tmp_path / "my sweep"
+    argv = ["sweep", "--methods", "allreduce,local", "--profiles", "1gbps", "--steps", "20", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", ["/usr/bin/harness", *argv])
+    result = CliRunner().invoke(cli.main, argv)
+    assert result.exit_code == 0, result.output
+    recorded = json.loads((out / "sweep.json").read_text())
+    assert recorded["command"] == f"harness sweep --methods allreduce,local --profiles 1gbps --steps 20 --out '{out}'"
+    assert recorded["settings"]["steps"] == 20
+
+
+def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner):
+    calls, fail = fake_runner
+    fail["allreduce-1gbps-s0"] = "cannot shape"
+    rows = run_sweep(SweepSpec(("allreduce",), ("1gbps",), (0, 1), settings={"steps": 20}), tmp_path)
+    assert [(r.status, r.failure) for r in rows] == [("failed", "cannot shape"), ("ok", None)]
+    index = pd.read_csv(tmp_path / "index.csv")
+    assert index.loc[0, "failure"] == "cannot shape" and pd.isna(index.loc[0, "path"])
+
+
+def test_an_interrupted_run_stops_the_sweep_and_other_settings_refuse_to_resume(tmp_path, monkeypatch):
+    def interrupted(config, out, on_progress=None):
+        write_run(out.parent, out.name, config.method, failure="interrupted by SIGINT during the run")
+        return json.loads((out / "summary.json").read_text())
+
+    monkeypatch.setattr(runner, "run", interrupted)
+    spec = SweepSpec(("allreduce", "local"), ("1gbps",), (0,), settings={"steps": 20})
+    with pytest.raises(SweepInterrupted):
+        run_sweep(spec, tmp_path)
+    assert len(pd.read_csv(tmp_path / "index.csv")) == 1
+    with pytest.raises(SweepError, match="other settings"):
+        run_sweep(SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 40}), tmp_path)
+
+
+def test_regime_rate_follows_the_derivation_and_the_profile_is_reused(tmp_path, monkeypatch):
+    target = TARGETS["paper-107b"]
+    assert target.comm_to_compute == pytest.approx(3728 / 10.4 - 1)
+    regime = Regime(target, "small", clusters=2, param_count=10_000_000, compute_s=0.5, tokens_per_step=4096)
+    # P = 2 (n-1)/n * 4 B * N = 40 MB per step; rate = 8 P / (R T_c).
+    assert regime.payload_bytes == 40_000_000
+    assert regime.rate_bps == round(8 * 40e6 / (target.comm_to_compute * 0.5))
+    # On that link AllReduce's step takes (1 + R) T_c: tokens/s falls by the paper's 3728 / 10.4.
+    assert (4096 / 0.5) / (4096 / regime.allreduce_step_s) == pytest.approx(3728 / 10.4)
+    derived = []
+    monkeypatch.setattr(regime_module, "derive_regime", lambda name, settings, work: derived.append(work) or regime)
+    path, fresh = regime_profile("paper-107b", {"model": "small"}, tmp_path, force=False)
+    profile = load_profile(str(path))
+    assert (profile.name, profile.inter_cluster.rate_bps) == ("paper-107b", regime.rate_bps)
+    assert "rate = 8 P / (R T_c)" in path.read_text() and fresh is regime
+    assert regime_profile("paper-107b", {}, tmp_path, force=False) == (path, None)
+    assert len(derived) == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(
+    os.geteuid() != 0 and not user_namespaces_work(), reason="needs root or user namespaces for network namespaces"
+)
+def test_real_sweep_of_allreduce_and_local_then_its_report(tmp_path):
+    spec = SweepSpec(
+        ("allreduce", "local"),
+        ("1gbps",),
+        (0,),
+        settings={"model": "tiny", "steps": 20, "batch_size": 4, "eval_every": 10, "throughput_warmup_steps": 4},
+    )
+    rows = run_sweep(spec, tmp_path / "sweep")
+    assert [(r.combination.name, r.status) for r in rows] == [("allreduce-1gbps-s0", "ok"), ("local-1gbps-s0", "ok")]
+    tables = load_runs([tmp_path / "sweep"])
+    table = comparison(tables)
+    ar, local = (table[table["variant"] == v].iloc[0] for v in ("allreduce", "local"))
+    assert local["ratio_to_allreduce"] == pytest.approx(local["tokens_per_s"] / ar["tokens_per_s"])
+    assert ar["utilisation"] == pytest.approx(ar["tokens_per_s"] / local["tokens_per_s"])
+    # local never synchronizes: nothing but connection set-up crosses the link.
+    assert ar["wire_bytes_per_token"] > 1000 > 100 * local["wire_bytes_per_token"]
+    assert "| allreduce" in markdown(table, tables.runs)
+    # A rerun finds both finished and runs nothing.
+    assert all(r.skipped for r in run_sweep(spec, tmp_path / "sweep"))
