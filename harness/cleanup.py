@@ -9,7 +9,6 @@ that version relied on (no process in any of its namespaces; its owner pid gone;
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from harness.backends import netns
 from harness.errors import UserError
-from harness.run.folder import DEFAULT_RUNS_DIR, STAGING_SUFFIX
+from harness.run.folder import DEFAULT_RUNS_DIR, STAGING_SUFFIX, run_key_of
 from harness.run.lock import (
     RUN_KEY,
     claim_dead_locks,
@@ -43,11 +42,7 @@ def _is_partial(folder: Path) -> str | None:
     removed: a hidden `.<name>.partial` folder, not a link, holding a config.json with a run key)."""
     if not PARTIAL_FOLDER.match(folder.name) or folder.is_symlink() or not folder.is_dir():
         return None
-    try:
-        key = json.loads((folder / "config.json").read_text()).get("run_key")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return key if isinstance(key, str) and RUN_KEY.match(key) else None
+    return run_key_of(folder)
 
 
 def _last_change(folder: Path) -> float:

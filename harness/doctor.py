@@ -7,7 +7,7 @@ import shutil
 from dataclasses import dataclass
 
 from harness.net.profiles import max_shapeable_rate_bps
-from harness.net.shaping import probe_qdiscs
+from harness.net.shaping import TUN_DEVICE, probe_qdiscs, tun_unavailable_reason
 from harness.units import format_rate
 from harness.userns import user_namespaces_work
 
@@ -46,12 +46,12 @@ def _gpus() -> list[str]:
 
 
 def diagnose() -> list[Check]:
+    return [*_privileges(), *_link_emulation(), *_ceilings(), *_devices()]
+
+
+def _privileges() -> list[Check]:
     root = os.geteuid() == 0
     userns = user_namespaces_work()
-    qdiscs = probe_qdiscs(not root)
-    tun = os.path.exists("/dev/net/tun")
-    docker_ok, docker_detail, nvidia = _docker_engine()
-    gpus = _gpus()
     tools = [t for t in ("unshare", "nsenter") if shutil.which(t) is None]
     return [
         Check(
@@ -68,6 +68,15 @@ def diagnose() -> list[Check]:
             "unshare and nsenter found" if not tools else f"missing: {', '.join(tools)}",
             "needed to enter namespaces" if not tools else "install util-linux",
         ),
+    ]
+
+
+def _link_emulation() -> list[Check]:
+    qdiscs = probe_qdiscs(os.geteuid() != 0)
+    # Opened as the user who runs: a device that exists but only root may open fails the delay line all the same.
+    tun_reason = tun_unavailable_reason()
+    tun = tun_reason is None
+    return [
         Check(
             "tbf",
             qdiscs["tbf"],
@@ -86,10 +95,10 @@ def diagnose() -> list[Check]:
         Check(
             "delay line",
             tun,
-            "TUN/TAP (/dev/net/tun)" if tun else "no /dev/net/tun",
+            f"TUN/TAP ({TUN_DEVICE}, opened read-write)" if tun else f"TUN/TAP ({TUN_DEVICE}) not usable by this user",
             ("userspace link emulator available (--link-emulator userspace" + (")" if qdiscs["netem"] else "; auto)"))
             if tun
-            else "no userspace delay line (modprobe tun)",
+            else f"no userspace delay line: {tun_reason}",
         ),
         Check(
             "ifb",
@@ -97,6 +106,11 @@ def diagnose() -> list[Check]:
             "IFB devices",
             "ingress redirection possible (not needed: both veth ends are shaped)",
         ),
+    ]
+
+
+def _ceilings() -> list[Check]:
+    return [
         Check(
             "rate ceiling",
             True,
@@ -109,6 +123,13 @@ def diagnose() -> list[Check]:
             f"{os.cpu_count()} ranks (clusters x stages) on {os.cpu_count()} cores",
             "beyond it ranks share cores and compute, not the link, may set the pace; runs warn before they start",
         ),
+    ]
+
+
+def _devices() -> list[Check]:
+    docker_ok, docker_detail, nvidia = _docker_engine()
+    gpus = _gpus()
+    return [
         Check(
             "docker",
             docker_ok,

@@ -21,9 +21,13 @@ class UserError(Exception):
 def read_yaml(path: Path, what: str, error: type[UserError]) -> Any:
     """The YAML file a user wrote (a profile, a baseline); `error` names what is wrong with it, and where."""
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as err:
         raise error(f"cannot read {what} {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise error(
+            f"{what} {path} is not a text file (byte {err.start} is not UTF-8); pass the YAML file itself"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -20,7 +20,7 @@ common=(--profiles unshaped --seeds 0,1,2 --model tiny --steps 2000 --eval-every
 harness sweep --methods allreduce,opendiloco,dilocox "${common[@]}" \
     --set overlap=none,delayed,eager,streaming --set adaptive=true,false --out "$out/convergence-tiny"
 
-# The paper's delayed update at outer settings inside its stability region (lr 0.4, momentum 0.5; README).
+# The paper's delayed update at outer settings inside its stability region (lr 0.4, momentum 0.5; docs/studies.md, "DiLoCoX convergence").
 harness sweep --methods dilocox "${common[@]}" --set overlap=delayed --set adaptive=true,false \
     --method-set dilocox:outer_lr=0.4 --method-set dilocox:outer_momentum=0.5 --out "$out/convergence-tiny-stable"
 

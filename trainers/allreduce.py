@@ -6,15 +6,22 @@ cluster, across the slow link) in fp32, then the inner AdamW steps. Replicas sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
-from trainers.method import Method, SyncReport
+from trainers.method import Exchange, Method, MethodConfig, SyncPlan, SyncReport, numel
 
 
 @dataclass(frozen=True)
-class AllReduceConfig:
+class AllReduceConfig(MethodConfig):
     """AllReduce has no knobs of its own: fp32 gradients, one flat bucket, every step."""
+
+    def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
+        """The fp32 gradients' all-reduce, every step, blocking."""
+        return SyncPlan((Exchange("all-reduce", torch.float32.itemsize * numel(shapes)),))
 
 
 class AllReduce(Method):

@@ -41,6 +41,7 @@ all-gather of the compressed average about 2(n-1)/n: the same for two clusters.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +54,11 @@ from trainers.compression import (
     relative_error,
     validate_quantization_flags,
 )
-from trainers.method import Method, MethodContext, SyncReport, tensor_bytes
+from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncPlan, SyncReport, numel, tensor_bytes
 
 
 @dataclass(frozen=True)
-class CocktailConfig:
+class CocktailConfig(MethodConfig):
     """CocktailSGD's published settings (0.1 x 0.2 x 4 bits)."""
 
     random_keep: float = 0.1
@@ -76,6 +77,21 @@ class CocktailConfig:
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
 
+    def compressor(self, seed: int = 0) -> SparseQuantizeCompressor:
+        """C_t; `seed` keys the random mask (a payload's size does not depend on it)."""
+        return SparseQuantizeCompressor(self.random_keep, self.topk_keep, self.bits, self.bucket_size, seed=seed)
+
+    def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
+        """Every step the compressed deltas' all-gather, hidden behind the next step; the warm-up's steps each
+        all-reduce the fp32 model, blocking."""
+        compressor = self.compressor()
+        return SyncPlan(
+            (Exchange("all-gather", sum(compressor.payload_nbytes(shape) for shape in shapes)),),
+            hidden_steps=1,
+            warmup_steps=self.warmup_steps,
+            warmup_exchanges=(Exchange("all-reduce", torch.float32.itemsize * numel(shapes)),),
+        )
+
 
 class Cocktail(Method):
     config_class = CocktailConfig
@@ -84,9 +100,7 @@ class Cocktail(Method):
     def __init__(self, ctx: MethodContext, cfg: CocktailConfig):
         super().__init__(ctx, cfg)
         # The run's seed keys the random mask: every rank derives the same mask at a step, nothing exchanged.
-        self.compressor = SparseQuantizeCompressor(
-            cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size, seed=ctx.seed
-        )
+        self.compressor = cfg.compressor(ctx.seed)
         self.server_residuals = ErrorFeedback()  # s, identical on every rank
         self.pending: _Round | None = None
 

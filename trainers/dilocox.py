@@ -121,15 +121,28 @@ from trainers.compression import (
     relative_error,
     validate_quantization_flags,
 )
-from trainers.method import Method, MethodContext, SyncReport, copy_into, tensor_bytes
+from trainers.method import (
+    Exchange,
+    Method,
+    MethodConfig,
+    MethodContext,
+    SyncPlan,
+    SyncReport,
+    copy_into,
+    numel,
+    tensor_bytes,
+)
 from trainers.optim import OuterOptimizer, validate_outer
 
 Overlap = Literal["none", "delayed", "eager", "streaming"]
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "streaming")
+# The rank estimate's all-reduce: [sum of the matrices' estimates, matrices] (_rank_totals).
+RANK_TOTALS_DTYPE = torch.float64
+RANK_TOTALS_BYTES = 2 * RANK_TOTALS_DTYPE.itemsize
 
 
 @dataclass(frozen=True)
-class DiLoCoXConfig:
+class DiLoCoXConfig(MethodConfig):
     """DiLoCoX's published settings (H_1 = 125, int4, c = 5), with r_1 and the factoring chosen by our convergence
     study, and the overlap that converged there (streaming) in place of the paper's one-step delay, which is
     `overlap="delayed"`.
@@ -218,6 +231,28 @@ class DiLoCoXConfig:
     def local_steps_cap(self) -> int:
         return 4 * self.local_steps if self.max_local_steps is None else self.max_local_steps
 
+    def compressor(self, seed: int = 0) -> LowRankQuantizeCompressor:
+        """C_Q o C_L at r_1; `seed` draws the power iteration's cold start (a payload's size does not depend on it)."""
+        return LowRankQuantizeCompressor(
+            self.rank, self.bits, self.bucket_size, seed=seed, power_iterations=self.power_iterations
+        )
+
+    def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
+        """Once a round the rank-r_1 int-q factors' all-gather (fp16 pseudo-gradients' all-reduce without
+        compression) and, with adaptation, the rank estimate's all-reduce beside it, hidden behind what --overlap
+        runs while they are in flight. At r_1 and H_1: adaptation lowers r and raises H from there."""
+        if self.compression:
+            compressor = self.compressor()
+            exchanges = [Exchange("all-gather", sum(compressor.payload_nbytes(shape) for shape in shapes))]
+        else:
+            exchanges = [Exchange("all-reduce", torch.float16.itemsize * numel(shapes))]
+        if self.adaptive:
+            exchanges.append(Exchange("all-reduce", RANK_TOTALS_BYTES))
+        hidden = {"none": 0, "streaming": self.overlap_steps, "delayed": self.local_steps, "eager": self.local_steps}
+        return SyncPlan(
+            tuple(exchanges), self.local_steps, hidden[self.overlap], slow_start=True, adaptive=self.adaptive
+        )
+
 
 def adapted_schedule(estimates: Sequence[int], cfg: DiLoCoXConfig) -> tuple[int, int]:
     """(r, H) for the next round from the window of rank estimates (the rule in the module docstring)."""
@@ -259,9 +294,7 @@ class DiLoCoX(Method):
         # The dual optimizer of this stage only: the inner AdamW (the base class's) on the local weights, the
         # outer Nesterov on theta.
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
-        self.compressor = LowRankQuantizeCompressor(
-            cfg.rank, cfg.bits, cfg.bucket_size, seed=ctx.seed, power_iterations=cfg.power_iterations
-        )
+        self.compressor = cfg.compressor(ctx.seed)
         self.error_feedback = ErrorFeedback()  # e_i, per parameter name
         self.local_steps = cfg.local_steps  # H_t of the round in progress
         # The window starts full of r_1: an early estimate, from pseudo-gradients of the warm-up, moves r only
@@ -398,7 +431,7 @@ class DiLoCoX(Method):
         """This stage's [sum of estimate_rank over its matrices, matrices], and, with adaptation, its all-reduce
         over the data-parallel group started (so the window gets the replicas' mean)."""
         ranks = [estimate_rank(t.reshape(t.shape[0], -1), self.cfg.energy) for t in tensors if t.ndim >= 2]
-        totals = torch.tensor([sum(ranks), len(ranks)], dtype=torch.float64, device=tensors[0].device)
+        totals = torch.tensor([sum(ranks), len(ranks)], dtype=RANK_TOTALS_DTYPE, device=tensors[0].device)
         if not self.cfg.adaptive:
             return totals, InFlight(None, 0)
         return totals, all_reduce_sum(totals, self.ctx.data_parallel_group)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainers.method import Method, SyncReport
+from trainers.method import Method, MethodConfig, SyncReport
 
 
 @dataclass(frozen=True)
-class LocalConfig:
+class LocalConfig(MethodConfig):
     """Local has no knobs: it is AllReduce without the all-reduce."""
 
 

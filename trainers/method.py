@@ -2,22 +2,88 @@
 
 The train loop owns forward and backward; a method owns everything after: how this rank's gradients or
 parameters are synchronized with the same stage of the other clusters, and its optimizers. A method sees only its
-own stage's parameters and two process groups; it knows nothing of namespaces, tc or Docker.
+own stage's parameters and two process groups; it knows nothing of namespaces, tc or Docker. Its config declares
+how it uses the slow link (`MethodConfig.sync_plan`), which is what `harness project` models.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 
+from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.config import OptimConfig
 from trainers.optim import InnerOptimizer
+
+Collective = Literal["all-reduce", "all-gather"]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One collective over the data-parallel group, as the method calls it (trainers/comm.py).
+
+    all-reduce: `nbytes` is the buffer every replica sums (the same size on all); all-gather: `nbytes` is each
+    replica's own payload, which every other replica receives.
+    """
+
+    collective: Collective
+    nbytes: int
+
+    def payload_bytes(self, replicas: int) -> int:
+        """What each replica sends for it: the method's SyncReport counts the same."""
+        if self.collective == "all-reduce":
+            return allreduce_payload_bytes(self.nbytes, replicas)
+        return allgather_payload_bytes(self.nbytes, replicas)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """How a method uses the slow link, as its config declares it (`MethodConfig.sync_plan`). Nothing here knows
+    the link: `harness project` turns a plan into time with its link model, the same way for every method.
+
+    A synchronization starts `exchanges` together, each as its own collective (gloo works a group's collectives
+    side by side), so their bytes add up and the longest sets its time. It comes every `every_steps` steps (1: every
+    step; H: once a round). `hidden_steps` steps of forward and backward run while it is in flight before the
+    method waits for it: 0 blocks at once, 1 hides it behind the next step, tau behind a round's last tau steps, H
+    behind the whole next round. The first `warmup_steps` steps each synchronize with `warmup_exchanges` instead,
+    blocking. `slow_start`: the first synchronization after the warm-up is the first large transfer on fresh
+    connections, so TCP's slow start lengthens it (a method that synchronizes from step 0 leaves it off: that first
+    exchange falls in the run's throughput warm-up, outside tokens/s). `adaptive`: the method changes its rounds
+    during a run; the plan is its first round's, from which adaptation only lowers the bytes per step.
+    """
+
+    exchanges: tuple[Exchange, ...]
+    every_steps: int = 1
+    hidden_steps: int = 0
+    warmup_steps: int = 0
+    warmup_exchanges: tuple[Exchange, ...] = ()
+    slow_start: bool = False
+    adaptive: bool = False
+
+
+def numel(shapes: Iterable[Sequence[int]]) -> int:
+    return sum(math.prod(shape) for shape in shapes)
+
+
+class MethodConfig:
+    """What every method's config (a frozen dataclass subclassing this, `Method.config_class`) answers besides its
+    fields, the method's settings. The defaults: no bound on synchronizations to warn of, nothing declared sent."""
+
+    def max_syncs(self, steps: int) -> int | None:
+        """The most synchronizations a run of `steps` steps makes; None: synchronizes every step or never."""
+        return None
+
+    def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan | None:
+        """How the method uses the slow link when a replica's parameters have these shapes (the whole model: a
+        pipeline stage sends its own share of it); None: it sends nothing across clusters."""
+        return None
 
 
 @dataclass
@@ -88,10 +154,10 @@ class Method(ABC):
     A subclass is its config and its algorithm.
     """
 
-    config_class: ClassVar[type]  # the method's settings (a frozen dataclass); the CLI's flags come from its fields
+    config_class: ClassVar[type[MethodConfig]]  # the method's settings; the CLI's flags come from its fields
     keeps_global_copy: ClassVar[bool] = False
 
-    def __init__(self, ctx: MethodContext, cfg: object):
+    def __init__(self, ctx: MethodContext, cfg: MethodConfig):
         self.ctx = ctx
         self.cfg = cfg
         self.names = [name for name, _ in ctx.named_params]

@@ -16,18 +16,19 @@ pseudo-gradient, so H and the outer learning rate mean the same at every cluster
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
 from trainers.compression import CAST_DTYPES, CastDtype
-from trainers.method import Method, MethodContext, SyncReport, copy_into
+from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncPlan, SyncReport, copy_into, numel
 from trainers.optim import OuterOptimizer, validate_outer
 
 
 @dataclass(frozen=True)
-class OpenDiLoCoConfig:
+class OpenDiLoCoConfig(MethodConfig):
     """OpenDiLoCo's published settings; benchmarks on small models use a much smaller H."""
 
     local_steps: int = 500
@@ -41,6 +42,11 @@ class OpenDiLoCoConfig:
     def max_syncs(self, steps: int) -> int:
         """How many outer steps a run of `steps` steps takes."""
         return -(-steps // self.local_steps) if self.final_sync else steps // self.local_steps
+
+    def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
+        """The pseudo-gradients' all-reduce in pseudo_grad_dtype once a round, blocking."""
+        nbytes = CAST_DTYPES[self.pseudo_grad_dtype].itemsize * numel(shapes)
+        return SyncPlan((Exchange("all-reduce", nbytes),), self.local_steps, slow_start=True)
 
     def __post_init__(self) -> None:
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)

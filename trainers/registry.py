@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING, Any
+import types
+import typing
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from trainers.method import Method, MethodContext
@@ -37,6 +39,54 @@ def method_class(name: str) -> type[Method]:
 def option_names(name: str) -> frozenset[str]:
     """The settings method `name` takes (its config's fields)."""
     return frozenset(f.name for f in dataclasses.fields(method_class(name).config_class))
+
+
+class MethodOption(NamedTuple):
+    """A method config field as one flag, reconciled across the methods that have it."""
+
+    kind: Any  # the field's type; Optional where one of the methods also accepts None
+    defaults: dict[str, Any]  # method -> its default
+    help: str  # the field's `metadata["help"]` in the first method that gives one, else ""
+
+    @property
+    def accepts_none(self) -> bool:
+        return _optional(self.kind)
+
+
+def method_options() -> dict[str, MethodOption]:
+    """Every method config field, once, by name; what the CLI's flags and sweeps' keys are made from.
+
+    A field that several methods share must have one type, except that one method may also accept None
+    (e.g. cocktail's --bits none): the flag then accepts 'none' and the method that refuses it says so.
+    """
+    options: dict[str, MethodOption] = {}
+    for name in method_names():
+        config_cls = method_class(name).config_class
+        hints = typing.get_type_hints(config_cls)
+        for f in dataclasses.fields(config_cls):
+            kind, known = hints[f.name], options.get(f.name)
+            if known is None:
+                known = MethodOption(kind, {}, "")
+            elif _strip_none(kind) != _strip_none(known.kind):
+                raise TypeError(f"method option {f.name} has type {known.kind} in one method and {kind} in {name}")
+            elif _optional(kind):
+                known = known._replace(kind=kind)
+            if not known.help and f.metadata.get("help"):
+                known = known._replace(help=f.metadata["help"])
+            known.defaults[name] = f.default
+            options[f.name] = known
+    return options
+
+
+def _optional(kind: Any) -> bool:
+    return typing.get_origin(kind) in (typing.Union, types.UnionType) and type(None) in typing.get_args(kind)
+
+
+def _strip_none(kind: Any) -> Any:
+    if not _optional(kind):
+        return kind
+    (inner,) = [k for k in typing.get_args(kind) if k is not type(None)]
+    return inner
 
 
 def method_config(name: str, options: dict[str, Any] | None = None) -> Any:

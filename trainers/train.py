@@ -38,15 +38,18 @@ class ParallelContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
-def train(
-    cfg: TrainConfig,
-    method_name: str,
-    method_config: Any,
-    par: ParallelContext,
-    log: EventLog,
-    read_wire_bytes: Callable[[], int] | None = None,
-) -> dict[str, Any]:
-    """Train one rank's part of one replica; returns this rank's end-of-run figures."""
+@dataclass
+class _Setup:
+    """What one rank trains: its stage of the model, its method, its data."""
+
+    stage: Any
+    method: Any
+    batches: Any
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    tokens_per_step: int
+
+
+def _set_up(cfg: TrainConfig, method_name: str, method_config: Any, par: ParallelContext, log: EventLog) -> _Setup:
     model_cfg = get_model_config(cfg.model)
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     # The same seed on every rank gives every replica identical initial weights without a broadcast.
@@ -74,7 +77,6 @@ def train(
     )
     method = build_method(method_name, method_config, ctx)
     tokens_per_step = par.clusters * cfg.batch_size * seq_len
-
     log(
         {
             "kind": "start",
@@ -87,36 +89,59 @@ def train(
             "device": str(par.device),
         }
     )
+    return _Setup(stage, method, batches, val_batches, tokens_per_step)
 
-    eval_s_total = 0.0
-    val_loss = None
 
-    def evaluate(step: int) -> None:
-        nonlocal eval_s_total, val_loss
+class _Evaluator:
+    """Validation on the method's synchronized parameters; keeps its total time, which tokens/s leaves out."""
+
+    def __init__(self, setup: _Setup, log: EventLog):
+        self.setup, self.log = setup, log
+        self.total_s = 0.0
+        self.val_loss: float | None = None
+
+    def __call__(self, step: int) -> None:
         started = time.perf_counter()
-        with method.eval_parameters():
-            val_loss = stage.evaluate(val_batches)
+        with self.setup.method.eval_parameters():
+            self.val_loss = self.setup.stage.evaluate(self.setup.val_batches)
         eval_s = time.perf_counter() - started
-        eval_s_total += eval_s
-        log(
+        self.total_s += eval_s
+        self.log(
             {
                 "kind": "eval",
                 "step": step,
-                "tokens": step * tokens_per_step,
-                "val_loss": val_loss,
+                "tokens": step * self.setup.tokens_per_step,
+                "val_loss": self.val_loss,
                 "eval_s": eval_s,
             }
         )
 
+
+def _sync_fields(report: Any) -> dict[str, Any]:
+    return {f"sync_{k}": v for k, v in report.as_event().items()}
+
+
+def train(
+    cfg: TrainConfig,
+    method_name: str,
+    method_config: Any,
+    par: ParallelContext,
+    log: EventLog,
+    read_wire_bytes: Callable[[], int] | None = None,
+) -> dict[str, Any]:
+    """Train one rank's part of one replica; returns this rank's end-of-run figures."""
+    setup = _set_up(cfg, method_name, method_config, par, log)
+    stage, method, tokens_per_step = setup.stage, setup.method, setup.tokens_per_step
+    evaluate = _Evaluator(setup, log)
     evaluate(0)
     dist.barrier()
     wire_start = read_wire_bytes() if read_wire_bytes else None
     window_start = time.perf_counter()
-    eval_s_at_window_start = eval_s_total
+    eval_s_at_window_start = evaluate.total_s
     losses = []
     for step in range(cfg.steps):
         started = time.perf_counter()
-        inputs, targets = (t.to(par.device, non_blocking=True) for t in next(batches))
+        inputs, targets = (t.to(par.device, non_blocking=True) for t in next(setup.batches))
         loss = stage.forward_backward(inputs, targets)
         computed = time.perf_counter()
         report = method.step(step)
@@ -136,27 +161,41 @@ def train(
         if cfg.data_shift:
             event["data_phase"] = data_phase(step, cfg.data_shift)
         if report is not None:
-            event.update({f"sync_{k}": v for k, v in report.as_event().items()})
+            event.update(_sync_fields(report))
         if read_wire_bytes:
             event["wire_bytes"] = read_wire_bytes() - wire_start
         log(event)
         for final_report in final_reports:
-            log({"kind": "finish", "step": step, **{f"sync_{k}": v for k, v in final_report.as_event().items()}})
+            log({"kind": "finish", "step": step, **_sync_fields(final_report)})
         if step + 1 == cfg.throughput_warmup_steps:
             window_start = ended
-            eval_s_at_window_start = eval_s_total
+            eval_s_at_window_start = evaluate.total_s
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             evaluate(step + 1)
     window_end = time.perf_counter()
     dist.barrier()
     wire_bytes = read_wire_bytes() - wire_start if read_wire_bytes else None
+    window_s = window_end - window_start - (evaluate.total_s - eval_s_at_window_start)
+    result = _result(cfg, method, losses, evaluate.val_loss, window_s, tokens_per_step, wire_bytes)
+    log({"kind": "end", **result})
+    return result
 
+
+def _result(
+    cfg: TrainConfig,
+    method: Any,
+    losses: list[float],
+    val_loss: float | None,
+    window_s: float,
+    tokens_per_step: int,
+    wire_bytes: int | None,
+) -> dict[str, Any]:
+    """This rank's end-of-run figures."""
     window_steps = cfg.steps - cfg.throughput_warmup_steps
-    window_s = window_end - window_start - (eval_s_total - eval_s_at_window_start)
     tail = losses[-min(10, len(losses)) :]
     # Applied steps are a prefix of the run: those of the window are the ones after its warm-up steps.
     applied_steps = method.applied_steps(cfg.steps)
-    result = {
+    return {
         "final_train_loss": sum(tail) / len(tail),
         "final_val_loss": val_loss,
         "window_steps": window_steps,
@@ -168,5 +207,3 @@ def train(
         "optimizer_state_bytes": method.optimizer_state_bytes(),
         "wire_bytes": wire_bytes,
     }
-    log({"kind": "end", **result})
-    return result

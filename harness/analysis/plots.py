@@ -1,4 +1,4 @@
-"""The comparison figures, PNG and SVG, one set per comparable group of runs (harness/analysis/report.py's GROUP_KEYS).
+"""The comparison figures, PNG and SVG, one set per comparable group of runs (harness/analysis/tables.py's GROUP_KEYS).
 
     loss-<group>        validation loss vs tokens and vs training wall-clock, per method: the mean over its n runs,
                         with a ± 1 std band only where n >= 2 (each legend entry says n)
@@ -35,16 +35,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from harness.analysis.report import (
-    BASELINE,
-    CEILING,
-    GROUP_KEYS,
-    RunTables,
-    comparison,
-    eval_curve,
-    in_group,
-    site_comparison,
-)
+from harness.analysis.comparison import BASELINE, CEILING, comparison, site_comparison
+from harness.analysis.tables import GROUP_KEYS, RunTables, eval_curve, in_group
 from harness.units import format_rate
 
 FORMATS = ("png", "svg")

@@ -12,21 +12,20 @@
                                               max(B / 1 MiB, 2n) segments, two in flight, so turns =
                                               2 ceil(s (n-1)/n / 2), which is 2(n-1) for a small B
         all-gather of p bytes from each site  (n-1) p / goodput + (n-1) RTT
-(c) the schedule: the bytes each exchange sends (from the method's own compressor and its settings: H, r, q), how
-    many steps apart exchanges are, and how many steps of compute run while one is in flight:
-        allreduce   fp32 gradients, all-reduce, every step, blocking
-        opendiloco  pseudo-gradients in --pseudo-grad-dtype, all-reduce, every H steps, blocking
-        cocktail    sparsified and quantized deltas, all-gather, every step, hidden behind the next step
-        dilocox     rank-r int-q factors (or fp16 without compression), all-gather (all-reduce), every H steps,
-                    hidden behind tau steps (streaming), H steps (delayed, eager) or none; with adaptation, the
-                    rank estimate's small all-reduce beside it (the longer of the two sets the exchange's time)
-    A step then takes compute_s + max(0, exchange_s - hidden_steps x hide_s) / every_steps, where hide_s is the
-    forward and backward part of compute_s (the events' compute_s), what runs while an exchange is in flight.
+(c) the schedule, which each method's config declares itself (`MethodConfig.sync_plan` in trainers/method.py, a
+    `SyncPlan`; the method's file says what its own is): the collectives of one exchange with their bytes (from the
+    method's own compressor and settings), how many steps apart exchanges are, how many steps of compute run while
+    one is in flight, a warm-up with other exchanges, and whether the first exchange pays TCP's slow start. Here it
+    becomes time the same way for every method: the exchange takes its longest collective's time (they run side by
+    side) and sends their bytes together. A step then takes
+    compute_s + max(0, exchange_s - hidden_steps x hide_s) / every_steps, where hide_s is the forward and backward
+    part of compute_s (the events' compute_s), what runs while an exchange is in flight.
 
-Assumptions (each printed with the prediction): DiLoCoX's schedule is H_1 and r_1 throughout (adaptation lowers r
-and raises H, so bytes are at most this); DiLoCoX's compression time is in compute_s as measured, and taken as part
-of the FLOPs scaling (or ignored) for an accelerator; pipeline stages within a site do not change what a site's
-uplink carries (the whole model crosses it, stage by stage); one exchange at a time on the link.
+Assumptions (each printed with the prediction): a method that adapts its rounds keeps its first round's schedule
+throughout (its plan promises that adaptation only lowers its bytes per step from there); a method's compression time
+is in compute_s as measured, and taken as part of the FLOPs scaling (or ignored) for an accelerator; pipeline stages
+within a site do not change what a site's uplink carries (the whole model crosses it, stage by stage); one exchange
+at a time on the link.
 """
 
 from __future__ import annotations
@@ -44,13 +43,12 @@ import torch
 
 from harness.errors import UserError
 from harness.net.link import Profile
-from harness.run.config import RunConfig, check_finite_options, check_method_options
-from harness.run.events import read_events
+from harness.run.config import RunConfig, check_finite_options
+from harness.run.folder import RunPaths, find_run_dirs, read_events, read_summary
 from harness.units import format_rate
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
-from trainers.compression import LowRankQuantizeCompressor, SparseQuantizeCompressor
+from trainers.method import Exchange, SyncPlan
 from trainers.models import DecoderLM, count_parameters, get_model_config
-from trainers.registry import method_config
 
 # Payload bytes per wire byte that a gloo all-reduce reaches on a tbf-shaped link (calibrate: busbw 0.92-0.95 of the
 # rate at 2-8 clusters; a 1448-byte segment in a 1514-byte frame is 0.956 before ACKs).
@@ -65,10 +63,6 @@ INITIAL_WINDOW_SEGMENTS = 10
 MSS_BYTES = 1448  # a 1500-byte MTU less IP and TCP headers with timestamps
 # harness project --validate: what a prediction must come within (the issue's acceptance).
 VALIDATION_TOLERANCE = 0.15
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
-GRADIENT_BYTES = 4  # AllReduce reduces fp32 gradients
-RANK_ESTIMATE_BYTES = 16
-MODELLED_METHODS = ("allreduce", "opendiloco", "cocktail", "dilocox")
 
 
 class ProjectionError(UserError):
@@ -116,6 +110,10 @@ class LinkModel:
     def allgather_s(self, nbytes_per_site: int, n: int) -> float:
         return 8 * allgather_payload_bytes(nbytes_per_site, n) / self.goodput_bps + (n - 1) * self.rtt_s
 
+    def exchange_s(self, exchange: Exchange, n: int) -> float:
+        collective = {"all-reduce": self.allreduce_s, "all-gather": self.allgather_s}[exchange.collective]
+        return collective(exchange.nbytes, n)
+
     def slow_start_extra_s(self, nbytes: int) -> float:
         """What sending `nbytes` on a fresh connection costs beyond the steady goodput: TCP starts at
         INITIAL_WINDOW_SEGMENTS segments and doubles its window every RTT until it holds the bandwidth-delay
@@ -135,8 +133,8 @@ class LinkModel:
 class Schedule:
     """How a method uses the link: one exchange's payload (bytes each site sends) and time, every how many steps,
     and how many steps of compute run while it is in flight. A run also has a start: the method's warm-up steps,
-    each with a blocking exchange of warmup_exchange_s (CocktailSGD averages whole models first), and its first
-    exchange, which a fresh connection's slow start makes first_exchange_extra_s longer."""
+    each with a blocking exchange of warmup_exchange_s, and its first exchange, which a fresh connection's slow start
+    makes first_exchange_extra_s longer. `adaptive`: the method's first round's schedule (it changes its rounds)."""
 
     payload_bytes: int
     exchange_s: float
@@ -145,6 +143,22 @@ class Schedule:
     warmup_steps: int = 0
     warmup_exchange_s: float = 0.0
     first_exchange_extra_s: float = 0.0
+    adaptive: bool = False
+
+    @classmethod
+    def of(cls, plan: SyncPlan, n: int, link: LinkModel) -> Schedule:
+        """A method's declared plan in time on `link` between n sites."""
+        payload = sum(exchange.payload_bytes(n) for exchange in plan.exchanges)
+        return cls(
+            payload,
+            max(link.exchange_s(exchange, n) for exchange in plan.exchanges),
+            plan.every_steps,
+            plan.hidden_steps,
+            warmup_steps=plan.warmup_steps,
+            warmup_exchange_s=max((link.exchange_s(exchange, n) for exchange in plan.warmup_exchanges), default=0.0),
+            first_exchange_extra_s=link.slow_start_extra_s(payload) if plan.slow_start else 0.0,
+            adaptive=plan.adaptive,
+        )
 
     def blocked_s(self, hide_s: float) -> float:
         """Waited per exchange in steady state, when each step's compute that runs beside it takes hide_s."""
@@ -174,51 +188,15 @@ def parameter_shapes(model: str) -> list[torch.Size]:
         return [p.shape for p in DecoderLM(get_model_config(model)).parameters()]
 
 
-def schedule(method: str, options: dict[str, Any], model: str, n: int, link: LinkModel) -> Schedule:
-    """The method's schedule (module doc, (c)) with its payload from its own compressor and settings."""
-    cfg = method_config(method, options)
-    params = count_parameters(get_model_config(model))
-    gradients = GRADIENT_BYTES * params
-    if method == "allreduce":
-        return Schedule(allreduce_payload_bytes(gradients, n), link.allreduce_s(gradients, n), 1, 0)
-    if method == "opendiloco":
-        nbytes = DTYPE_BYTES[cfg.pseudo_grad_dtype] * params
-        payload = allreduce_payload_bytes(nbytes, n)
-        return Schedule(
-            payload, link.allreduce_s(nbytes, n), cfg.local_steps, 0,
-            first_exchange_extra_s=link.slow_start_extra_s(payload),
-        )  # fmt: skip
-    if method == "cocktail":
-        compressor = SparseQuantizeCompressor(cfg.random_keep, cfg.topk_keep, cfg.bits, cfg.bucket_size)
-        per_site = sum(compressor.payload_nbytes(shape) for shape in parameter_shapes(model))
-        return Schedule(
-            allgather_payload_bytes(per_site, n), link.allgather_s(per_site, n), 1, 1,
-            warmup_steps=cfg.warmup_steps, warmup_exchange_s=link.allreduce_s(gradients, n),
-        )  # fmt: skip
-    if method == "dilocox":
-        hidden = {"none": 0, "streaming": cfg.overlap_steps, "delayed": cfg.local_steps, "eager": cfg.local_steps}
-        if not cfg.compression:
-            nbytes = 2 * params
-            payload, exchange_s = allreduce_payload_bytes(nbytes, n), link.allreduce_s(nbytes, n)
-        else:
-            compressor = LowRankQuantizeCompressor(cfg.rank, cfg.bits, cfg.bucket_size)
-            per_site = sum(compressor.payload_nbytes(shape) for shape in parameter_shapes(model))
-            payload, exchange_s = allgather_payload_bytes(per_site, n), link.allgather_s(per_site, n)
-        if cfg.adaptive:
-            # The rank estimate's all-reduce runs beside each exchange (two float64, trainers/dilocox.py,
-            # _rank_totals), at the same time: gloo works a process group's collectives on two threads. Its two
-            # ring steps' round trips outlast the payload's one on a long path.
-            payload += allreduce_payload_bytes(RANK_ESTIMATE_BYTES, n)
-            exchange_s = max(exchange_s, link.allreduce_s(RANK_ESTIMATE_BYTES, n))
-        return Schedule(
-            payload, exchange_s, cfg.local_steps, hidden[cfg.overlap],
-            first_exchange_extra_s=link.slow_start_extra_s(payload),
-        )  # fmt: skip
-    raise _not_modelled(method)
-
-
-def _not_modelled(method: str) -> ProjectionError:
-    return ProjectionError(f"harness project models {', '.join(MODELLED_METHODS)}, not {method!r}")
+def schedule(config: RunConfig, link: LinkModel) -> Schedule:
+    """The schedule the run's method declares (module doc, (c)), in time on `link`."""
+    plan = config.method_config.sync_plan(parameter_shapes(config.train.model))
+    if plan is None:
+        raise ProjectionError(
+            f"harness project models methods that declare their exchanges across sites (their config's sync_plan), "
+            f"not {config.method!r}, which declares none"
+        )
+    return Schedule.of(plan, config.clusters, link)
 
 
 @dataclass(frozen=True)
@@ -298,7 +276,8 @@ class Prediction:
             f"(efficiency {link.efficiency:g}, TCP window {link.window_bytes:,} B)",
             f"exchange: {sched.payload_bytes:,} B from each site every {sched.every_steps} step(s), "
             f"{sched.exchange_s:.4g} s on the link, beside {sched.hidden_steps:g} step(s) of compute: "
-            f"{sched.blocked_s(compute.hide_s):.4g} s waited per exchange",
+            f"{sched.blocked_s(compute.hide_s):.4g} s waited per exchange"
+            + (" (its first round's: the method adapts its rounds)" if sched.adaptive else ""),
             f"predicted: {self.tokens_per_s:,.1f} tokens/s ({self.step_s:.4g} s per step; compute ceiling "
             f"{self.compute_ceiling_tokens_per_s:,.1f}), {self.wire_bytes_per_token:,.4g} wire bytes per token",
         ]
@@ -306,25 +285,17 @@ class Prediction:
 
 ASSUMPTIONS = (
     "steady state: no warm-up, no first-exchange slow start",
-    "DiLoCoX at H_1 and r_1 throughout (adaptation only lowers its bytes)",
+    "a method that adapts its rounds at its first round's schedule throughout (adaptation only lowers its bytes)",
     "the whole model crosses each site's uplink once per exchange, whatever the pipeline stages",
     "one exchange at a time on the link; loss and jitter not modelled",
 )
 
 
-def predict(
-    method: str,
-    options: dict[str, Any],
-    model: str,
-    profile: Profile,
-    clusters: int,
-    tokens_per_step: int,
-    compute: Compute,
-    link: LinkModel | None = None,
-) -> Prediction:
-    link = link or LinkModel.of(profile, clusters, window_bytes=default_window_bytes())
-    sched = schedule(method, options, model, clusters, link)
-    return Prediction(method, model, profile.name, clusters, tokens_per_step, compute, link, sched)
+def predict(config: RunConfig, tokens_per_step: int, compute: Compute, link: LinkModel) -> Prediction:
+    sched = schedule(config, link)
+    return Prediction(
+        config.method, config.train.model, config.profile.name, config.clusters, tokens_per_step, compute, link, sched
+    )
 
 
 @dataclass(frozen=True)
@@ -397,8 +368,8 @@ def method_options_of(method: str, options: dict[str, Any]) -> dict[str, Any]:
 def measured_compute(run_dir: Path) -> Compute:
     """Means over rank 0's steps after the throughput warm-up: step_s - sync_blocked_s, and compute_s (forward and
     backward) (module doc, (a))."""
-    warmup = RunConfig.load(run_dir / "config.json").train.throughput_warmup_steps
-    steps = [e for e in read_events(run_dir / "events" / "rank0.jsonl") if e["kind"] == "step" and e["step"] >= warmup]
+    warmup = RunConfig.load(RunPaths(run_dir).config).train.throughput_warmup_steps
+    steps = [e for e in read_events(run_dir, 0) if e["kind"] == "step" and e["step"] >= warmup]
     if not steps:
         raise ProjectionError(f"{run_dir} has no steps after its warm-up to measure compute from; use a longer run")
     return Compute(
@@ -417,13 +388,11 @@ def settings_key(summary: dict[str, Any], config: RunConfig) -> tuple:
 
 def ok_runs(paths: Sequence[Path]) -> list[tuple[Path, dict[str, Any], RunConfig]]:
     """(folder, summary, config) of every successful run under `paths` (run folders or folders of them)."""
-    from harness.analysis.report import find_run_dirs
-
     found = []
     for run_dir, _ in find_run_dirs(paths):
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = read_summary(run_dir)
         if summary["status"] == "ok":
-            found.append((run_dir, summary, RunConfig.load(run_dir / "config.json")))
+            found.append((run_dir, summary, RunConfig.load(RunPaths(run_dir).config)))
     return found
 
 
@@ -450,10 +419,8 @@ def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict
             statistics.fmean(c.step_s for c in measurements), statistics.fmean(c.hide_s for c in measurements),
             f"mean of {len(measurements)} run(s)",
         )  # fmt: skip
-        prediction = predict(
-            summary["method"], summary.get("method_options") or {}, summary["model"], config.profile,
-            summary["clusters"], summary["tokens"] // summary["steps"], compute,
-        )  # fmt: skip
+        link = LinkModel.of(config.profile, config.clusters, window_bytes=default_window_bytes())
+        prediction = predict(config, summary["tokens"] // summary["steps"], compute, link)
         predicted = prediction.run_tokens_per_s(config.train.steps, config.train.throughput_warmup_steps)
         measured = [s["tokens_per_s"] for s, _ in runs]
         mean = statistics.fmean(measured)
@@ -495,9 +462,7 @@ def project(
     method's options), checked as a run would check them, so a projection is of a run that could be made."""
     config = RunConfig.build(method, profile, clusters=clusters, model=model, **settings)
     config.profile.check_sites(clusters)
-    if method not in MODELLED_METHODS:
-        raise _not_modelled(method)
-    check_method_options(method, config.method_options)
+    _ = config.method_config  # a setting the method refuses is named first, as a run names it
     check_finite_options(config.method_options)
     try:
         config.train.validate()
@@ -516,12 +481,12 @@ def project(
         )
     model_cfg = get_model_config(config.train.model)
     tokens_per_step = clusters * config.train.batch_size * (config.train.seq_len or model_cfg.max_seq_len)
-    compute = resolve_compute(
-        method, config.method_options, model_cfg.name, clusters, tokens_per_step, compute_from, compute_s, accelerator
-    )
     link = LinkModel.of(
         config.profile, clusters, efficiency=efficiency, window_bytes=window_bytes or default_window_bytes()
     )
-    return predict(
-        method, config.method_options, model_cfg.name, config.profile, clusters, tokens_per_step, compute, link
+    # Before compute is looked for: a method that declares no exchange has nothing to project.
+    sched = schedule(config, link)
+    compute = resolve_compute(
+        method, config.method_options, model_cfg.name, clusters, tokens_per_step, compute_from, compute_s, accelerator
     )
+    return Prediction(method, model_cfg.name, config.profile.name, clusters, tokens_per_step, compute, link, sched)

@@ -53,8 +53,7 @@ import yaml
 from harness.analysis.sweep import build_config
 from harness.errors import UserError
 from harness.run import runner
-from harness.run.events import read_events
-from harness.run.folder import RunFolder
+from harness.run.folder import RunFolder, read_events
 from harness.units import format_rate
 from trainers.comm import allreduce_payload_bytes
 from trainers.models import count_parameters, get_model_config
@@ -237,7 +236,7 @@ def measure_compute_s(run_dir: Path, stages: int, clusters: int, warmup_steps: i
     times = [
         e["step_s"]
         for rank in range(clusters * stages)
-        for e in read_events(run_dir / "events" / f"rank{rank}.jsonl")
+        for e in read_events(run_dir, rank)
         if e["kind"] == "step" and e["step"] >= warmup_steps
     ]
     if not times:

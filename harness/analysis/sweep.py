@@ -7,6 +7,7 @@ Layout of a sweep folder OUT:
     OUT/index.csv            one row per combination: its settings, status, failure, path relative to OUT
     OUT/runs/<name>/         one ordinary results folder per combination (harness/run/folder.py)
     OUT/profiles/*.yaml      profiles the sweep derived itself (regime matching, harness/analysis/regime.py)
+    OUT/.sweep.lock          while a sweep runs: its flock (and pid), so a second sweep into OUT refuses at once
 
 A run's name is ``<method>-<profile>-s<seed>`` followed by ``-<key>=<value>`` for each varied setting and ``-r<i>``
 for repeats.
@@ -28,10 +29,13 @@ by the method's config fields first). As on the command line, the value "none" s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import product
 from pathlib import Path
@@ -42,10 +46,12 @@ import pandas as pd
 from harness.errors import UserError
 from harness.run import runner
 from harness.run.config import RunConfig
-from harness.run.folder import RunFolder
+from harness.run.folder import RunFolder, RunPaths, UnreadableResults, read_summary, run_key_of
+from harness.run.lock import owner_alive
 from trainers.config import TrainConfig
 from trainers.registry import METHODS, option_names
 
+SWEEP_LOCK = ".sweep.lock"
 CLUSTER_KEYS = frozenset({"clusters", "stages", "backend", "link_emulator"})
 # The seed is a sweep axis of its own; of the optimizer, RunConfig.build takes the learning rate.
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"optim", "seed"} | {"lr"}
@@ -216,7 +222,9 @@ class SweepSpec:
                 )
         for combo in self.combinations():
             try:
-                self.config(combo)
+                # The link emulator too: the CLI validates before the user-namespace re-exec, where the delay line's
+                # device is checked as the real user.
+                runner.resolve_link_emulator(self.config(combo))
             except UserError as err:
                 raise SweepError(f"{combo.name}: {err}") from None
 
@@ -274,12 +282,11 @@ class SilentObserver:
 
 def finished_ok(run_dir: Path) -> dict[str, Any] | None:
     """The summary of a finished, successful run in `run_dir`, else None."""
-    path = run_dir / "summary.json"
-    if not path.is_file():
+    if not RunPaths(run_dir).summary.is_file():
         return None
     try:
-        summary = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        summary = read_summary(run_dir)
+    except UnreadableResults:
         return None
     return summary if summary.get("status") == "ok" else None
 
@@ -317,7 +324,13 @@ def _run_one(spec: SweepSpec, combo: Combination, out: Path, observer: SweepObse
     final = out / "runs" / combo.name
     relative = str(final.relative_to(out))
     # An interrupted run leaves its staging folder; a failed (or forced) run its final one. The runner refuses both.
-    for stale in (RunFolder(final).staging, final):
+    # A staging folder belongs to whoever holds its run lock: a live run's (`harness run --out` into this sweep) is
+    # not ours to remove.
+    staging = RunFolder(final).staging
+    key = run_key_of(staging)
+    if key and owner_alive(key):
+        return IndexRow(combo, "failed", None, f"{staging} is being written by a live run ({key}); resume when it ends")
+    for stale in (staging, final):
         if stale.exists():
             shutil.rmtree(stale)
     try:
@@ -328,6 +341,40 @@ def _run_one(spec: SweepSpec, combo: Combination, out: Path, observer: SweepObse
     except Exception as err:
         return IndexRow(combo, "failed", relative if final.exists() else None, f"{type(err).__name__}: {err}")
     return IndexRow(combo, summary["status"], relative, summary.get("failure"), summary.get("tokens_per_s"))
+
+
+@contextlib.contextmanager
+def _sweep_lock(out: Path) -> Iterator[None]:
+    """An exclusive flock on OUT/.sweep.lock for the sweep's life: a second sweep into OUT would remove the first
+    one's live staging folders and run its combinations again. The kernel drops it however the sweep ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / SWEEP_LOCK
+    for _ in range(10):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").split()
+            os.close(fd)
+            pid = holder[1] if len(holder) > 1 and holder[0] == "pid" else "?"
+            raise SweepError(
+                f"sweep folder {out} is being written by another sweep (pid {pid}); wait for it or pass another --out"
+            ) from None
+        # The previous holder deletes the file on its way out, maybe between our open and our lock: take the new one.
+        if path.exists() and os.path.samestat(os.fstat(fd), os.stat(path)):
+            break
+        os.close(fd)
+    else:
+        raise SweepError(f"the sweep lock {path} keeps changing under this process; rerun")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}\n".encode())
+        yield
+    finally:
+        # Deleted while still held, so nobody can take a lock on the file that is going away.
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def run_sweep(
@@ -341,20 +388,21 @@ def run_sweep(
     line that makes this sweep, is recorded in sweep.json so the sweep can be regenerated from it."""
     spec.validate()
     observer = observer or SilentObserver()
-    _check_settings(out, spec, force, command)
-    combos = spec.combinations()
-    rows: list[IndexRow] = []
-    for position, combo in enumerate(combos, start=1):
-        done = None if force else finished_ok(out / "runs" / combo.name)
-        if done is not None:
-            row = IndexRow(combo, "ok", f"runs/{combo.name}", None, done.get("tokens_per_s"), skipped=True)
-        else:
-            observer.started(combo, position, len(combos))
-            row = _run_one(spec, combo, out, observer)
-        rows.append(row)
-        write_index(out, rows)
-        observer.finished(row)
-        # The runner turns Ctrl-C into a failed run; the user meant the whole sweep.
-        if row.failure and row.failure.startswith("interrupted"):
-            raise SweepInterrupted(row.failure)
-    return rows
+    with _sweep_lock(out):
+        _check_settings(out, spec, force, command)
+        combos = spec.combinations()
+        rows: list[IndexRow] = []
+        for position, combo in enumerate(combos, start=1):
+            done = None if force else finished_ok(out / "runs" / combo.name)
+            if done is not None:
+                row = IndexRow(combo, "ok", f"runs/{combo.name}", None, done.get("tokens_per_s"), skipped=True)
+            else:
+                observer.started(combo, position, len(combos))
+                row = _run_one(spec, combo, out, observer)
+            rows.append(row)
+            write_index(out, rows)
+            observer.finished(row)
+            # The runner turns Ctrl-C into a failed run; the user meant the whole sweep.
+            if row.failure and row.failure.startswith("interrupted"):
+                raise SweepInterrupted(row.failure)
+        return rows

@@ -2,12 +2,57 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from harness.errors import UserError
 from harness.net.link import Profile
 from harness.net.topology import Topology
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, known before anything is built, so that callers ask what it offers instead of
+    comparing its name."""
+
+    # The userspace delay line between clusters, where the kernel has no sch_netem.
+    userspace_delay_line: bool
+    # Link faults (--fault link-down, rate): the links can be set down and re-rated under a live run.
+    link_faults: bool
+    # The link probe (UDP echo between two clusters' namespaces) before a delay/jitter/loss run.
+    link_check: bool
+    # Its ranks are processes on this host's CPU cores (so more ranks than cores share them).
+    ranks_share_host_cpus: bool
+
+
+CAPABILITIES = {
+    "netns": Capabilities(userspace_delay_line=True, link_faults=True, link_check=True, ranks_share_host_cpus=True),
+    # Containers on a GPU host: their link is netem-only, shaped from the host; ranks own GPUs.
+    "docker": Capabilities(
+        userspace_delay_line=False, link_faults=False, link_check=False, ranks_share_host_cpus=False
+    ),
+}
+# What --backend accepts.
+BACKENDS = tuple(CAPABILITIES)
+
+
+def capabilities(name: str) -> Capabilities:
+    if name not in CAPABILITIES:
+        raise UserError(f"backend {name!r} is not available; use {' or '.join('--backend ' + b for b in BACKENDS)}")
+    return CAPABILITIES[name]
+
+
+def unavailable_reason(name: str, world_size: int, gpus: str = "auto") -> str | None:
+    """Why backend `name` cannot run `world_size` ranks here, in one sentence naming the fix; None when it can."""
+    capabilities(name)
+    if name != "docker":
+        return None
+    try:
+        from harness.backends.docker import unavailable_reason as docker_unavailable
+    except ImportError:
+        return "the docker backend needs the docker SDK; pip install 'harness[docker]'"
+    return docker_unavailable(world_size, gpus)
 
 
 class Worker(Protocol):
@@ -65,4 +110,5 @@ def make_backend(
         from harness.backends.docker import DockerCluster
 
         return DockerCluster(run_key, topology, profile, gpus, netem=link_emulator == "netem")
-    raise UserError(f"backend {name!r} is not available; use --backend netns or --backend docker")
+    capabilities(name)
+    raise AssertionError(f"backend {name!r} has capabilities but no class")

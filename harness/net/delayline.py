@@ -15,7 +15,7 @@ the path between two clusters, which crosses two links, has the profile's. Witho
 made them: a TCP segmentation (GSO) frame of up to 64 KiB passes in one piece, described by its virtio-net header,
 which keeps the per-frame cost of Python off the rate. With loss, the backend caps the cluster uplinks' GSO at one
 segment, so every frame is wire-sized and loss drops what a real link drops (a packet, not 44 of them); the delay
-line then forwards every packet itself, which caps the rate it can carry (README, "WAN links").
+line then forwards every packet itself, which caps the rate it can carry (docs/links.md, "Measured on this machine").
 
 Jitter draws each frame's delay uniformly from delay +- jitter (netem's default distribution); unless reordering is
 allowed, a frame never leaves before the one ahead of it in its direction (so jitter never reorders). Loss drops a
@@ -23,7 +23,7 @@ frame with the hop's probability, from a generator seeded per run and direction,
 
 The process creates its TAP device (it vanishes when the process exits), writes "ready <tap>" on stdout and then
 forwards until SIGTERM, when it writes its counters as one JSON line on stderr. Its own ceiling is measured by
-`harness bench-delayline` (README, "WAN links").
+`harness bench-delayline` (docs/links.md, "Measured on this machine").
 """
 
 from __future__ import annotations

@@ -35,19 +35,33 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.errors import UserError
 from harness.units import format_rate
 
 MIN_RATE_BPS = 8_000
+# What tbf's netlink message can hold (pyroute2's tbf encoder, harness/net/shaping.py; the kernel's sch_tbf.c): the
+# rate is a u32 of bytes/s (pyroute2 sends no 64-bit rate attribute), the queue limit a u32 of bytes, and the bucket
+# a u32 of psched ticks that the kernel turns into nanoseconds and cuts to 2**32 - 1 (min(PSCHED_TICKS2NS(buffer),
+# ~0U)): a bucket of more than 4.29 s of line time would silently be a smaller one. A value past a field made
+# pyroute2 raise struct.error after the cluster was half built.
+U32_MAX = 2**32 - 1
+MAX_TBF_RATE_BPS = U32_MAX * 8
+MAX_TBF_BUCKET_S = U32_MAX / 1e9
+# psched ticks per microsecond as pyroute2 converts them (/proc/net/psched: 1000 ns per us over 64 ns per tick), and
+# the kernel's nanoseconds per tick (PSCHED_SHIFT 6).
+_TICKS_PER_US = 1000 / 64
+_NS_PER_TICK = 64
 # tbf sends a packet only when its bucket holds the whole packet: a burst below one full-size Ethernet frame (MTU
 # 1500 plus the 14-byte header) drops every full-size packet, and the run can only time out.
 MIN_BURST_BYTES = 1514
 # The default burst: this much line time, but never less than one GSO segment. A bucket far above a few ms of line
 # time lets whole payloads through unshaped on slow links (256 KiB is half a second at 4 Mbit/s); one below a GSO
 # segment (64 KiB on veths) makes tbf split every segment, and TCP no longer reaches the rate (measured at
-# 100 Mbit/s: busbw 0.86-0.89 of the rate with 2-32 KiB buckets, 0.96 with 128 KiB; README "Rate-true shaping").
+# 100 Mbit/s: busbw 0.86-0.89 of the rate with 2-32 KiB buckets, 0.96 with 128 KiB; docs/measurement.md,
+# "Rate-true shaping").
 BURST_LINE_TIME_S = 0.002
 GSO_SEGMENT_BYTES = 64 * 1024
 
@@ -81,13 +95,77 @@ def _parse(value: object, units: dict[str, float], what: str, example: str, sign
     return float(match.group(1)) * units[match.group(2)]
 
 
-def parse_rate_bps(value: object) -> int:
+def parse_rate_bps(value: object, tbf: bool = True) -> int:
+    """`tbf`: the rate will be tbf's and is refused beyond its field; False for a figure that is only compared
+    (HARNESS_MAX_RATE)."""
     rate = _parse(value, _RATE_UNITS, "rate", "1gbit or 500mbit")
     if rate < MIN_RATE_BPS:
         raise ProfileError(
             f"rate {value!r} is below the {MIN_RATE_BPS // 1000} kbit/s that tbf can shape; use a larger rate"
         )
+    if tbf and rate > MAX_TBF_RATE_BPS:
+        raise ProfileError(_rate_too_large(str(value).strip()))
     return int(rate)
+
+
+def _rate_too_large(shown: str) -> str:
+    return (
+        f"rate {shown} is more than tbf's 32-bit rate field holds ({format_rate(MAX_TBF_RATE_BPS)}); use at most "
+        f"{MAX_TBF_RATE_BPS // 10**6}mbit"
+    )
+
+
+def tbf_buffer_ns(rate_bps: int, burst_bytes: int) -> int:
+    """The bucket as the kernel gets it: pyroute2's ticks for `burst_bytes` at `rate_bps`, in nanoseconds."""
+    ticks = int(int(1e6 * burst_bytes / (rate_bps / 8)) * _TICKS_PER_US)
+    return ticks * _NS_PER_TICK
+
+
+def tbf_limit_bytes(rate_bps: int, burst_bytes: int, latency_ms: float) -> int:
+    """tbf's queue limit as pyroute2 derives it from the latency: the bucket plus `latency_ms` of line time."""
+    return int(rate_bps / 8 * round(latency_ms * 1000) / 1e6 + burst_bytes)
+
+
+def max_burst_bytes(rate_bps: int) -> int:
+    """The largest bucket the kernel's tbf keeps whole at `rate_bps` (MAX_TBF_BUCKET_S of line time)."""
+    # The longest whole microsecond count whose ticks still fit, then the bytes below the next one; the loops only
+    # absorb float rounding.
+    max_ticks = U32_MAX // _NS_PER_TICK
+    max_us = int((max_ticks + 1) / _TICKS_PER_US)
+    while int(max_us * _TICKS_PER_US) > max_ticks:
+        max_us -= 1
+    burst = math.ceil((max_us + 1) * (rate_bps / 8) / 1e6) - 1
+    while tbf_buffer_ns(rate_bps, burst + 1) <= U32_MAX:
+        burst += 1
+    while tbf_buffer_ns(rate_bps, burst) > U32_MAX:
+        burst -= 1
+    return burst
+
+
+def check_tbf(rate_bps: int | None, burst_bytes: int, latency_ms: float) -> None:
+    """Every number tbf is given fits the field it ends in (U32_MAX); refuses with the largest value that fits."""
+    if rate_bps is None:
+        return
+    if rate_bps > MAX_TBF_RATE_BPS:
+        raise ProfileError(_rate_too_large(format_rate(rate_bps)))
+    if tbf_buffer_ns(rate_bps, burst_bytes) > U32_MAX:
+        raise ProfileError(
+            f"burst {burst_bytes:,} bytes is {burst_bytes * 8 / rate_bps:.3g} s of line time at "
+            f"{format_rate(rate_bps)}, longer than the {MAX_TBF_BUCKET_S:.2f} s the kernel's tbf bucket holds (32 bits "
+            f"of nanoseconds); use a burst of at most {max_burst_bytes(rate_bps) // 1024}kb at this rate"
+        )
+    limit = tbf_limit_bytes(rate_bps, burst_bytes, latency_ms)
+    if limit > U32_MAX:
+        longest_ms = int((U32_MAX - burst_bytes) / (rate_bps / 8) * 1000)
+        fix = (
+            f"use a latency of at most {longest_ms} ms"
+            if longest_ms >= 0
+            else f"use a smaller burst (under {U32_MAX // 1024}kb with the latency)"
+        )
+        raise ProfileError(
+            f"burst {burst_bytes:,} bytes plus {latency_ms:.10g} ms of queue at {format_rate(rate_bps)} is {limit:,} "
+            f"bytes, more than tbf's 32-bit queue limit holds ({U32_MAX:,} bytes); {fix}"
+        )
 
 
 def parse_size_bytes(value: object) -> int:
@@ -128,6 +206,7 @@ class LinkSpec:
             derived = default_burst_bytes(self.rate_bps) if self.rate_bps is not None else 0
             object.__setattr__(self, "burst_bytes", derived)
         check_burst(self.rate_bps, self.burst_bytes, f"{self.burst_bytes}b")
+        check_tbf(self.rate_bps, self.burst_bytes, self.latency_ms)
 
     @property
     def needs_netem(self) -> bool:
@@ -211,9 +290,17 @@ class LinkSpec:
         kwargs = {field: parse(data[key]) for key, (field, parse) in parsers.items() if key in data}
         if "burst_bytes" in kwargs:
             check_burst(kwargs.get("rate_bps"), kwargs["burst_bytes"], str(data["burst"]).strip(), f"{where}: ")
-        spec = cls(**kwargs)
+        spec = _located(where, lambda: cls(**kwargs))
         spec.check(where)
         return spec
+
+
+def _located(where: str, make: Callable[[], LinkSpec]) -> LinkSpec:
+    """`make()`, a LinkSpec whose own checks may refuse it, with `where` (the profile and link) in the refusal."""
+    try:
+        return make()
+    except ProfileError as err:
+        raise ProfileError(f"{where}: {err}") from None
 
 
 def _parse_bool(value: object, what: str) -> bool:
@@ -223,8 +310,10 @@ def _parse_bool(value: object, what: str) -> bool:
 
 
 def default_burst_bytes(rate_bps: float) -> int:
-    """A rate-true bucket: BURST_LINE_TIME_S of line time at `rate_bps`, at least one GSO segment."""
-    return max(GSO_SEGMENT_BYTES, round(rate_bps / 8 * BURST_LINE_TIME_S))
+    """A rate-true bucket: BURST_LINE_TIME_S of line time at `rate_bps`, at least one GSO segment, at most what the
+    kernel's tbf keeps (below ~122 kbit/s a GSO segment is longer than that; the kernel would cut it silently)."""
+    burst = max(GSO_SEGMENT_BYTES, round(rate_bps / 8 * BURST_LINE_TIME_S))
+    return burst if tbf_buffer_ns(int(rate_bps), burst) <= U32_MAX else max_burst_bytes(int(rate_bps))
 
 
 def check_burst(rate_bps: int | None, burst_bytes: int, shown: str, where: str = "") -> None:
@@ -275,12 +364,12 @@ class SiteLink:
 
         def link(rate_bps: int | None) -> LinkSpec:
             # The burst follows the site's rate unless the site sets one.
-            spec = dataclasses.replace(default, rate_bps=rate_bps, burst_bytes=None, **shape)
-            check_burst(rate_bps, spec.burst_bytes, f"{spec.burst_bytes}b", f"{where}: ")
-            return spec
+            return _located(where, lambda: dataclasses.replace(default, rate_bps=rate_bps, burst_bytes=None, **shape))
 
         site = cls(up=link(up), down=link(down))
-        site.up.check(where)
+        # Checked as the site wrote it: its own hop (the stored path figures are twice that).
+        hop = site.up
+        LinkSpec(delay_ms=hop.hop_delay_ms, jitter_ms=hop.hop_jitter_ms, reorder=hop.reorder).check(where)
         return site
 
     def to_dict(self) -> dict:

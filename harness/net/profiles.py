@@ -58,7 +58,8 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
     inter_cluster = LinkSpec.from_yaml(data.get("inter_cluster"), f"{path.name}: inter_cluster")
     sites = data.get("sites") or {}
-    if not isinstance(sites, dict) or not all(isinstance(k, int) and k >= 0 for k in sites):
+    # YAML reads `true:` as a bool, which Python counts as an int: refused, or the workers get int("True").
+    if not isinstance(sites, dict) or not all(type(k) is int and k >= 0 for k in sites):
         raise ProfileError(
             f"{path.name}: sites must map site numbers (0, 1, ...) to their links, e.g. sites: {{1: {{rate: 100mbit}}}}"
         )
@@ -100,7 +101,7 @@ def max_shapeable_rate_bps() -> float:
     override = os.environ.get("HARNESS_MAX_RATE")
     if override:
         try:
-            return parse_rate_bps(override)
+            return parse_rate_bps(override, tbf=False)
         except ProfileError as err:
             raise ProfileError(f"HARNESS_MAX_RATE: {err}") from None
     return SHAPEABLE_BPS_PER_CORE * (os.cpu_count() or 1)

@@ -21,6 +21,8 @@ What does not carry over, either way:
 - netem, which tcconfig drives, lets jitter reorder packets, and tcset draws the jitter from a normal distribution
   (``delay-distro`` is its spread) where the harness draws uniformly from delay +- jitter. A jittered profile is
   exported only when it says ``reorder: true``; a loaded file with ``delay-distro`` gets ``reorder: true``.
+- A profile's `sites` (one site's own access link) are refused: the file is one device's settings, and every host
+  of every site applies the same one.
 - Egress shaping alone does not hold incast (ARCHITECTURE.md, "Measured limits"); the emulation shapes both ends.
 
 Loading refuses what the harness cannot express (incoming shaping, network or port filters, several devices or
@@ -86,6 +88,13 @@ def export_tcconfig(profile: Profile, device: str = "eth0", allow_reorder: bool 
     """`profile`'s inter-cluster link as the tcconfig settings ONE host applies to its NIC `device`: full one-way
     values on egress, none on ingress (module docstring). The intra-cluster link is not exported. A jittered link
     without `reorder: true` is refused unless `allow_reorder` (then netem will reorder where the profile does not)."""
+    if profile.sites:
+        site = min(profile.sites)
+        raise ProfileError(
+            f"profile {profile.name!r} gives site {site} its own link, which a tcconfig file (one device per host, the "
+            "same settings on every host) cannot hold; export a copy of the profile without `sites` for the other "
+            f"hosts and one whose inter_cluster link is site {site}'s for that site's hosts"
+        )
     link = profile.inter_cluster
     if link.jitter_ms and not link.reorder and not allow_reorder:
         raise ProfileError(
@@ -233,7 +242,10 @@ def _link_from_settings(settings: object, where: str) -> LinkSpec:
     if "loss" in settings:
         kwargs["loss_pct"] = _loss_pct(settings["loss"], where)
     # netem reorders jittered packets: the file means a link that reorders.
-    link = LinkSpec(delay_ms=delay, jitter_ms=jitter, reorder=bool(jitter), **kwargs)
+    try:
+        link = LinkSpec(delay_ms=delay, jitter_ms=jitter, reorder=bool(jitter), **kwargs)
+    except ProfileError as err:
+        raise ProfileError(f"{where}: {err}") from None
     link.check(where)
     return link
 

@@ -7,6 +7,7 @@ what the user set.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -14,14 +15,18 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from harness.backends import capabilities
 from harness.errors import UserError
 from harness.net.link import Profile
 from harness.net.profiles import check_shapeable, load_profile
 from harness.net.topology import Topology
 from harness.run.faults import Fault, check_faults, parse_fault
 from trainers.config import OptimConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from trainers.method import MethodConfig
 
 # Fewer synchronizations than this and a DiLoCo-style run is mostly local training: warned before it starts.
 MIN_SYNCS = 3
@@ -41,12 +46,12 @@ def default_collective_timeout_s() -> float:
     return timeout_s
 
 
-def check_method_options(method: str, options: dict[str, Any]) -> None:
-    """A known method, and options it has with values its config accepts; raises UserError."""
+def check_method_options(method: str, options: dict[str, Any]) -> MethodConfig:
+    """The config of a known method from options it has with values it accepts; raises UserError."""
     from trainers.registry import method_config
 
     try:
-        method_config(method, options)
+        return method_config(method, options)
     except (ValueError, TypeError) as err:
         raise UserError(str(err)) from None
 
@@ -91,6 +96,11 @@ class RunConfig:
             stamp = time.strftime("%Y%m%dT%H%M%S")
             self.run_id = f"{stamp}-{self.method}-{self.profile.name}-{self.run_key}"
 
+    @functools.cached_property
+    def method_config(self) -> MethodConfig:
+        """The method's typed, validated config, built once from (method, method_options); raises UserError."""
+        return check_method_options(self.method, self.method_options)
+
     def validate(self) -> None:
         """Everything the user chose, checked together before the host is touched; raises UserError."""
         Topology(self.clusters, self.stages)
@@ -103,6 +113,7 @@ class RunConfig:
             self.clusters * self.stages,
             self.backend,
             self.profile.inter_cluster.rate_bps,
+            link=self.profile.inter_cluster,
         )
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
@@ -127,7 +138,8 @@ class RunConfig:
         # here, and only here, that becomes the user's error.
         except (ValueError, TypeError) as err:
             raise UserError(str(err)) from None
-        check_method_options(self.method, self.method_options)
+        # Built here, where a setting the method refuses is named before the host is touched; kept for its readers.
+        _ = self.method_config
         check_finite_options(self.method_options)
         check_shapeable(self.profile)
         if self.mode == "train":
@@ -145,16 +157,14 @@ class RunConfig:
 
     def warnings(self) -> list[str]:
         """Settings that run but measure little: call after validate(); each is one sentence naming the fix."""
-        from trainers.registry import method_config
-
         warnings = []
         if self.train.data_shift and self.train.data_shift >= self.train.steps:
             warnings.append(
                 f"--data-shift {self.train.data_shift} is not below --steps {self.train.steps}: the data never "
                 "shifts and each replica trains on one eighth of its shard; use a smaller --data-shift"
             )
-        cfg = method_config(self.method, self.method_options)
-        syncs = cfg.max_syncs(self.train.steps) if hasattr(cfg, "max_syncs") and self.clusters > 1 else None
+        cfg = self.method_config
+        syncs = cfg.max_syncs(self.train.steps) if self.clusters > 1 else None
         if syncs is not None and syncs < MIN_SYNCS:
             warnings.append(
                 f"{self.method} synchronizes at most {syncs} time(s) in {self.train.steps} steps (--local-steps "
@@ -162,11 +172,19 @@ class RunConfig:
                 "smaller --local-steps"
             )
         ranks, cores = self.clusters * self.stages, os.cpu_count() or 1
-        if self.backend == "netns" and ranks > cores:
+        if capabilities(self.backend).ranks_share_host_cpus and ranks > cores:
             warnings.append(
                 f"{ranks} ranks share {cores} CPU cores (each computes at ~{cores / ranks:.0%} of a core): compute, "
                 "not the link, may set the pace, so compare methods at the same cluster count or use fewer --clusters"
             )
+        for text, fault in zip(self.faults, self.parsed_faults(), strict=True):
+            # A collective that waits through the whole outage gives up before the link is back.
+            if fault.kind == "link-down" and fault.seconds >= self.collective_timeout_s:
+                warnings.append(
+                    f"--fault {text} keeps the link down for {fault.seconds:g} s, not less than the collective timeout "
+                    f"({self.collective_timeout_s:g} s, HARNESS_TIMEOUT_S): the ranks will give up during the outage "
+                    "and the run fail; use a shorter outage or a longer HARNESS_TIMEOUT_S"
+                )
         return warnings
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Per-rank JSONL events: what each rank did, one JSON object per line.
 
 Each rank appends one event per line to events/rank<R>.jsonl and flushes it, so a run that dies keeps every event
-written before it died.
+written before it died. They are read back through harness/run/folder.py's read_events; EventTail follows them live.
 """
 
 from __future__ import annotations
@@ -24,18 +24,6 @@ class EventWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """All complete events of one file; a line cut short by a killed writer is skipped."""
-    events = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return events
 
 
 class EventTail:

@@ -13,14 +13,19 @@ restored_t for an outage}. Link faults need the netns backend.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.backends import capabilities
 from harness.errors import UserError
-from harness.net.link import ProfileError, parse_rate_bps
+from harness.net.link import LinkSpec, ProfileError, parse_rate_bps
+from harness.net.profiles import max_shapeable_rate_bps
+from harness.units import format_rate
 
 FAULT_KINDS = ("link-down", "rate", "kill")
 # An outage longer than this is not a fault to ride out but a dead link; the collective timeout would end the run.
@@ -82,15 +87,23 @@ def parse_fault(text: str) -> Fault:
 
 
 def check_faults(
-    faults: tuple[Fault, ...], steps: int, world_size: int, backend: str, link_rate_bps: int | None
+    faults: tuple[Fault, ...],
+    steps: int,
+    world_size: int,
+    backend: str,
+    link_rate_bps: int | None,
+    link: LinkSpec | None = None,
 ) -> None:
-    """Each fault happens inside the run, on something that exists; raises FaultError."""
+    """Each fault happens inside the run, on something that exists; raises FaultError. `link`: the inter-cluster
+    link a rate fault re-rates (its queue bound stays), else a default one at `link_rate_bps`."""
     for fault in faults:
         if fault.kind == "rate" and link_rate_bps is None:
             raise FaultError(
                 "--fault rate changes the shaped link's rate, and this profile's inter-cluster link has none; use a "
                 "profile with a rate"
             )
+        if fault.kind == "rate":
+            _check_rate(fault, link or LinkSpec(rate_bps=link_rate_bps))
         if not 0 < fault.step < steps:
             raise FaultError(
                 f"--fault {fault.kind} at step {fault.step} is outside the run; use a step between 1 and {steps - 1} "
@@ -100,8 +113,26 @@ def check_faults(
             raise FaultError(
                 f"--fault kill names rank {fault.rank}, but the run has ranks 0 to {world_size - 1}; name one of them"
             )
-        if fault.kind != "kill" and backend != "netns":
-            raise FaultError(f"--fault {fault.kind} needs the netns backend; use --backend netns")
+        if fault.kind != "kill" and not capabilities(backend).link_faults:
+            raise FaultError(
+                f"--fault {fault.kind} needs the netns backend (whose links can fail on purpose); use --backend netns"
+            )
+
+
+def _check_rate(fault: Fault, link: LinkSpec) -> None:
+    """The new rate is held to what a profile's is: the machine's ceiling, and tbf's fields with the link's queue
+    bound (the backend re-derives the burst for it, harness/backends/netns.py set_link_rate)."""
+    ceiling = max_shapeable_rate_bps()
+    if fault.rate_bps > ceiling:
+        raise FaultError(
+            f"--fault rate asks for {format_rate(fault.rate_bps)}, more than this machine can shape faithfully "
+            f"(~{format_rate(ceiling)} with {os.cpu_count()} cores); use a slower rate or set HARNESS_MAX_RATE if you "
+            "have measured that your machine keeps up"
+        )
+    try:
+        dataclasses.replace(link, rate_bps=fault.rate_bps, burst_bytes=None)
+    except ProfileError as err:
+        raise FaultError(f"--fault rate at step {fault.step}: {err}") from None
 
 
 class FaultInjector:
@@ -142,6 +173,20 @@ class FaultInjector:
                 self.kill(fault.rank)
             self.records.append(record)
             self._log({"event": "injected", **record})
+
+    def outage_note(self, timeout_s: float) -> str | None:
+        """The outage a failure now may be due to, in words: one in progress, or one that ended less than
+        `timeout_s` (the collective timeout: a collective that waited through it may still give up) ago."""
+        outages = [r for r in self.records if r["fault"] == "link-down"]
+        if not outages:
+            return None
+        last = outages[-1]
+        what = f"the injected link-down of {last['seconds']:g} s at step {last['injected_at_step']}"
+        timeout = f"with a collective timeout of {timeout_s:g} s"
+        if self.restore_at is not None:
+            return f"during {what}, {timeout}"
+        ago = time.time() - last["restored_t"]
+        return f"{ago:.0f} s after {what} ended, {timeout}" if ago < timeout_s else None
 
     def restore(self) -> None:
         """End an outage in progress (also at teardown, so a run never ends with its link down)."""

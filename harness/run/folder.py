@@ -1,7 +1,20 @@
-"""One folder per run: config.json, environment.json, events/, logs/, summary.json.
+"""One folder per run, and the one module that knows its layout:
+
+    config.json          the RunConfig (harness/run/config.py), written first
+    environment.json     what the numbers depend on (harness/run/summary.py's environment)
+    summary.json         the headline figures (harness/run/summary.py's summarize), written last
+    link_check.json      what the link emulator delivered (harness/net/linkprobe.py), when it was measured
+    events/rank<R>.jsonl one JSON object per line: what rank R did (harness/run/events.py writes them)
+    events/faults.jsonl  the faults injected (harness/run/faults.py)
+    ranks/rank<R>.json   rank R's own result, written when it finishes
+    logs/rank<R>.log     rank R's output
 
 The folder is built under a hidden staging name next to its final place and renamed into place at the end, so a
 results folder either holds a finished run (status "ok" or "failed") or does not exist.
+
+Everything that reads a run folder reads it through `read_summary`, `read_config`, `read_environment`,
+`read_rank_result` and `read_events`: a file that is empty, binary, cut short, not a JSON object or without the keys
+its readers index raises an `UnreadableResults` naming the file, instead of a traceback deep in a report.
 """
 
 from __future__ import annotations
@@ -10,18 +23,17 @@ import errno
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
+from harness.run.lock import RUN_KEY
 
 DEFAULT_RUNS_DIR = Path("results") / "runs"
-
-
-class ResultsError(UserError):
-    """The results folder cannot be written; the message names the fix."""
-
-
+# A folder holding one is a finished run: it is written last.
+SUMMARY_NAME = "summary.json"
 STAGING_SUFFIX = ".partial"
 # Kept free under the file system's path limit for what a run writes inside its folder ("events/rank12.jsonl").
 INNER_PATH_BYTES = 64
@@ -33,6 +45,72 @@ _PROBE_REASONS = {
     errno.EACCES: "is not writable (permission denied)",
     errno.EPERM: "is not writable (operation not permitted)",
 }
+
+
+class ResultsError(UserError):
+    """A results folder that cannot be written or read; the message names the folder or file and the fix."""
+
+
+class UnreadableResults(ResultsError):
+    """A file of a run folder that its readers cannot use: `why` says what is wrong with `path`."""
+
+    def __init__(self, path: Path, why: str):
+        self.path = path
+        self.why = why
+        super().__init__(f"{path}: {why}; run it again (resuming its sweep redoes it) or remove its run folder")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where each file of the run folder `root` lies (module doc)."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def environment(self) -> Path:
+        return self.root / "environment.json"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_NAME
+
+    @property
+    def link_check(self) -> Path:
+        return self.root / "link_check.json"
+
+    @property
+    def events_dir(self) -> Path:
+        return self.root / "events"
+
+    @property
+    def faults(self) -> Path:
+        return self.events_dir / "faults.jsonl"
+
+    @property
+    def ranks_dir(self) -> Path:
+        return self.root / "ranks"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    def events(self, rank: int) -> Path:
+        return self.events_dir / f"rank{rank}.jsonl"
+
+    def rank_result(self, rank: int) -> Path:
+        return self.ranks_dir / f"rank{rank}.json"
+
+    def log(self, rank: int) -> Path:
+        return self.logs_dir / f"rank{rank}.log"
+
+    def event_ranks(self) -> list[int]:
+        """The ranks that have an events file, in order."""
+        names = (p.name.removeprefix("rank").removesuffix(".jsonl") for p in self.events_dir.glob("rank*.jsonl"))
+        return sorted(int(n) for n in names if n.isdecimal() and n.isascii())
 
 
 def _shown(name: str, limit: int = 48) -> str:
@@ -165,10 +243,16 @@ class RunFolder:
             raise ResultsError(f"results folder {self.final} already exists; pass another --out or remove it")
         return self.staging
 
-    def write_json(self, name: str, data: dict[str, Any]) -> None:
-        tmp = self.staging / f".{name}.tmp"
-        tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-        os.replace(tmp, self.staging / name)
+    @property
+    def paths(self) -> RunPaths:
+        """The files of the staging folder, where the run writes until `commit`."""
+        return RunPaths(self.staging)
+
+    def write_environment(self, environment: dict[str, Any]) -> None:
+        _replace(self.paths.environment, json.dumps(environment, indent=2, default=str) + "\n")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        _replace(self.paths.summary, json.dumps(summary, indent=2, default=str) + "\n")
 
     def commit(self) -> Path:
         os.replace(self.staging, self.final)
@@ -182,3 +266,166 @@ def _remove_empty(folders: list[Path]) -> None:
             folder.rmdir()
         except OSError:
             pass
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a reader (or a run killed meanwhile) never sees half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_rank_result(run_dir: Path, rank: int, result: dict[str, Any]) -> None:
+    paths = RunPaths(run_dir)
+    paths.ranks_dir.mkdir(exist_ok=True)
+    _replace(paths.rank_result(rank), json.dumps(result))
+
+
+# --- reading -----------------------------------------------------------------------------------------------------
+
+# The keys the readers of summary.json index (reports group and label by them, the gate and projections select by
+# them); every other figure is read with a default.
+SUMMARY_KEYS = ("run_id", "status", "method", "profile", "model", "clusters")
+EVENT_KEYS = ("t", "kind")
+# Per kind, what summarize, the reports and the runner's failure description index.
+EVENT_KIND_KEYS = {
+    "step": ("step", "step_s", "tokens"),
+    "eval": ("step", "tokens", "val_loss", "eval_s"),
+    "error": ("error",),
+}
+# An event that reports an exchange reports its timing with it.
+SYNC_KEYS = ("sync_blocked_s", "sync_overlapped_s")
+
+
+def _text(path: Path) -> str:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise UnreadableResults(path, "missing") from None
+    except OSError as err:
+        raise UnreadableResults(path, f"unreadable ({err.strerror})") from None
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise UnreadableResults(path, "binary, not JSON text") from None
+    # UTF-8 can hold NUL bytes, JSON text cannot: a file of zeros (a disk that filled up) is not text either.
+    if "\0" in text:
+        raise UnreadableResults(path, "binary, not JSON text")
+    return text
+
+
+def _record(
+    text: str, path: Path, required: Callable[[dict[str, Any]], Iterable[str]], where: str = ""
+) -> dict[str, Any]:
+    """The JSON object `text` holds, with the keys `required` names for it; `where` places it in a file of several.
+    Every reader of a run folder comes through here."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        if not text.strip():
+            raise UnreadableResults(path, f"{where}empty") from None
+        if err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string"):
+            raise UnreadableResults(path, f"{where}cut short (its JSON ends mid-value)") from None
+        raise UnreadableResults(
+            path, f"{where}not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})"
+        ) from None
+    if not isinstance(data, dict):
+        raise UnreadableResults(path, f"{where}a JSON {_json_type(data)}, not an object")
+    missing = sorted(set(required(data)) - set(data))
+    if missing:
+        raise UnreadableResults(path, f"{where}lacks {', '.join(missing)}")
+    return data
+
+
+def _json_type(value: object) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+
+
+def _event_keys(event: dict[str, Any]) -> list[str]:
+    kind = event.get("kind")
+    keys = [*EVENT_KEYS, *EVENT_KIND_KEYS.get(kind, ())] if isinstance(kind, str) else list(EVENT_KEYS)
+    return keys + list(SYNC_KEYS) if "sync_payload_bytes" in event else keys
+
+
+def _read(path: Path, required: Sequence[str] = ()) -> dict[str, Any]:
+    return _record(_text(path), path, lambda _: required)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    return _read(RunPaths(run_dir).summary, SUMMARY_KEYS)
+
+
+def read_config(run_dir: Path) -> dict[str, Any]:
+    """config.json as written (RunConfig.load makes the RunConfig); its readers take each key with a default."""
+    return _read(RunPaths(run_dir).config)
+
+
+def read_environment(run_dir: Path) -> dict[str, Any]:
+    return _read(RunPaths(run_dir).environment)
+
+
+def run_key_of(run_dir: Path) -> str | None:
+    """The run key config.json names, or None where it names no well-formed one or cannot be read: a staging folder
+    of a run killed before it wrote its config, or a folder that is not a run's."""
+    try:
+        key = read_config(run_dir).get("run_key")
+    except UnreadableResults:
+        return None
+    return key if isinstance(key, str) and RUN_KEY.match(key) else None
+
+
+def read_rank_result(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    """ranks/rank<R>.json, or None where the rank never finished."""
+    path = RunPaths(run_dir).rank_result(rank)
+    return _read(path) if path.exists() else None
+
+
+def read_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    """All complete events of one rank, [] where it logged none; a last line cut short by a killed writer is
+    skipped, anything else that is not an event raises UnreadableResults."""
+    path = RunPaths(run_dir).events(rank)
+    if not path.exists():
+        return []
+    lines = _text(path).splitlines()
+    events = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            events.append(_record(line, path, _event_keys, f"line {number}: "))
+        except UnreadableResults:
+            # Only the last line can be cut short by a writer killed mid-line; that is not damage.
+            if number < len(lines) or _complete(line):
+                raise
+    return events
+
+
+def _complete(line: str) -> bool:
+    """Whether a line is whole JSON (so its problem is not that the writer died mid-line)."""
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def find_run_dirs(paths: Sequence[Path]) -> list[tuple[Path, str]]:
+    """(folder, path relative to what the user named) of every finished run folder in `paths`: run folders, or
+    folders of them (a sweep's, harness/analysis/sweep.py: its own runs only) at any depth."""
+    found: list[tuple[Path, str]] = []
+    for root in paths:
+        if RunPaths(root).summary.is_file():
+            found.append((root, root.name))
+            continue
+        if not root.is_dir():
+            raise ResultsError(f"{root} is neither a run folder nor a folder of runs; pass a results folder")
+        # A sweep's own runs only: its folder also holds helper runs (the regime's compute measurement).
+        search = root / "runs" if (root / "sweep.json").is_file() else root
+        for summary in sorted(search.rglob(SUMMARY_NAME)):
+            relative = summary.parent.relative_to(root)
+            # Hidden folders are staging areas of runs still in progress (or interrupted).
+            if not any(part.startswith(".") for part in relative.parts):
+                found.append((summary.parent, str(Path(root.name) / relative)))
+    if not found:
+        raise ResultsError(f"no run folders (with summary.json) under {', '.join(map(str, paths))}")
+    return found

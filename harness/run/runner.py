@@ -14,18 +14,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.backends import ClusterBackend, Worker, make_backend
+from harness.backends import ClusterBackend, Worker, capabilities, make_backend, unavailable_reason
 from harness.errors import UserError
 from harness.net.linkprobe import LinkCheckFailed, check_link
-from harness.net.shaping import probe_qdiscs
+from harness.net.shaping import probe_qdiscs, tun_unavailable_reason
 from harness.net.topology import Topology
 from harness.run.config import RunConfig
-from harness.run.events import EventTail, read_events
+from harness.run.events import EventTail
 from harness.run.faults import FaultInjector
-from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder
+from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, read_events
 from harness.run.lock import RunLock
 from harness.run.summary import environment, summarize
 from harness.units import format_rate
@@ -46,27 +47,30 @@ class Interrupted(BaseException):
     the way (a backend's, a library's) may swallow it."""
 
 
-def validate(config: RunConfig, out: Path | None) -> RunFolder:
-    """Check everything the user chose, in one place, before the host is touched; returns the results folder."""
+@dataclass(frozen=True)
+class CheckedRun:
+    """A run whose every choice has been checked (`validate`), with what the checks resolved: ready to `execute`."""
+
+    config: RunConfig
+    folder: RunFolder
+    # What adds the profile's delay, jitter and loss ("netem", "userspace"), or None when it asks for none.
+    link_emulator: str | None
+
+
+def validate(config: RunConfig, out: Path | None) -> CheckedRun:
+    """Check everything the user chose, in one place, before the host is touched."""
     config.validate()
-    resolve_link_emulator(config)
+    link_emulator = resolve_link_emulator(config)
     if not (math.isfinite(config.collective_timeout_s) and config.collective_timeout_s > 0):
         raise RunError(
             f"the collective timeout must be a positive number of seconds, got {config.collective_timeout_s}"
         )
-    if config.backend == "docker":
-        try:
-            from harness.backends.docker import unavailable_reason
-        except ImportError:
-            raise RunError("the docker backend needs the docker SDK; pip install 'harness[docker]'") from None
-        reason = unavailable_reason(config.clusters * config.stages, config.gpus)
-        if reason:
-            raise RunError(reason)
-    elif config.backend != "netns":
-        raise RunError(f"backend {config.backend!r} is not available; use --backend netns or --backend docker")
+    reason = unavailable_reason(config.backend, config.clusters * config.stages, config.gpus)
+    if reason:
+        raise RunError(reason)
     folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
     folder.check()
-    return folder
+    return CheckedRun(config, folder, link_emulator)
 
 
 def resolve_link_emulator(config: RunConfig) -> str | None:
@@ -88,7 +92,7 @@ def resolve_link_emulator(config: RunConfig) -> str | None:
         )
     if choice == "netem" or (choice == "auto" and has_netem):
         return "netem"
-    if config.backend != "netns":
+    if not capabilities(config.backend).userspace_delay_line:
         raise RunError(
             "--link-emulator userspace exists for the netns backend only; use --backend netns, or netem on a kernel "
             "that has it"
@@ -101,11 +105,10 @@ def resolve_link_emulator(config: RunConfig) -> str | None:
             f"profile {profile.name!r} sets delay, jitter or loss on its intra-cluster link, which only netem "
             "can emulate (the delay line sits between clusters); remove them or use a kernel with sch_netem"
         )
-    if not os.path.exists("/dev/net/tun"):
-        raise RunError(
-            "the userspace delay line needs TUN/TAP (/dev/net/tun), which this machine lacks; load it "
-            "(modprobe tun) or use a kernel with sch_netem"
-        )
+    # Here, in the CLI's validation before the user-namespace re-exec, the check runs as the real user.
+    reason = tun_unavailable_reason()
+    if reason:
+        raise RunError(reason)
     return "userspace"
 
 
@@ -115,6 +118,9 @@ STALL_STEP_FACTOR = 10
 # How often the watcher polls the ranks and their events, and how often it checks that the cluster is still there.
 POLL_S = 0.25
 INTACT_CHECK_S = 2.0
+# A worker the kernel has kept stopped (SIGSTOP, a debugger) this long fails the run at once: /proc shows it, and
+# no collective timeout would fire before the watchdog's (minutes). Longer than a profiler's brief attach.
+STOPPED_FAIL_S = 10.0
 
 
 class _Signals:
@@ -157,8 +163,8 @@ def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> s
     where = _where(rank, topology)
     if code < 0:
         return f"{where} was killed by {signal.Signals(-code).name}"
-    errors = [e for e in read_events(run_dir / "events" / f"rank{rank}.jsonl") if e["kind"] == "error"]
-    reason = f": {errors[-1]['error']}" if errors else f"; see logs/rank{rank}.log"
+    errors = [e for e in read_events(run_dir, rank) if e["kind"] == "error"]
+    reason = f": {errors[-1]['error']}" if errors else f"; see {RunPaths(run_dir).log(rank).relative_to(run_dir)}"
     return f"{where} exited with code {code}{reason}"
 
 
@@ -169,21 +175,26 @@ def _where(rank: int, topology: Topology) -> str:
 def run(
     config: RunConfig, out: Path | None = None, on_progress: Callable[[dict[str, Any]], None] | None = None
 ) -> dict[str, Any]:
-    """Run one benchmark; returns summary.json's content (with "results_dir").
+    """Validate and execute one benchmark; returns summary.json's content (with "results_dir")."""
+    return execute(validate(config, out), on_progress)
+
+
+def execute(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run a validated benchmark; returns summary.json's content (with "results_dir").
 
     `summary["interrupted_by"]` names the signal (SIGINT, SIGTERM) that stopped the run, if one did.
     """
-    folder = validate(config, out)
     # Held from before anything is created until everything is removed and the results are in place: while it is
     # held, `harness cleanup` leaves this run alone; if the harness dies, however it dies, the kernel releases it.
-    with RunLock(config.run_key, staging=folder.staging):
-        return _run(config, folder, on_progress)
+    with RunLock(checked.config.run_key, staging=checked.folder.staging):
+        return _run(checked, on_progress)
 
 
-def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    config, folder, emulator = checked.config, checked.folder, checked.link_emulator
     run_dir = folder.create()
+    paths = folder.paths
     topology = Topology(config.clusters, config.stages)
-    emulator = resolve_link_emulator(config)
     cluster = make_backend(
         config.backend,
         config.run_key,
@@ -192,7 +203,7 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
         config.gpus,
         link_emulator=emulator,
         seed=config.train.seed,
-        log_dir=run_dir / "logs",
+        log_dir=paths.logs_dir,
     )
     procs: dict[int, Worker] = {}
     failure: str | None = None
@@ -201,14 +212,14 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
     qdiscs: list[dict] = []
     with _Signals() as signals:
         try:
-            config.save(run_dir / "config.json")
-            (run_dir / "logs").mkdir()
+            config.save(paths.config)
+            paths.logs_dir.mkdir()
             signals.check()
             cluster.up()
             signals.check()
             record["cluster_setup_s"] = cluster.setup_s
-            if emulator and config.backend == "netns" and topology.clusters > 1:
-                record.update(check_link(cluster, topology, config.profile.path(0, 1), run_dir / "link_check.json"))
+            if emulator and capabilities(config.backend).link_check and topology.clusters > 1:
+                record.update(check_link(cluster, topology, config.profile.path(0, 1), paths.link_check))
                 signals.check()
             qdiscs = cluster.kernel_qdiscs()
             wire = _WireMeter(cluster)
@@ -221,15 +232,17 @@ def _run(config: RunConfig, folder: RunFolder, on_progress: Callable[[dict[str, 
                     "PYTHONUNBUFFERED": "1",
                 }
                 argv = [sys.executable, "-m", "harness.run.worker", "--run-dir", str(run_dir)]
-                procs[rank] = cluster.spawn(rank, argv, env, run_dir / "logs" / f"rank{rank}.log")
-            injector = FaultInjector(
-                config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), run_dir / "events" / "faults.jsonl"
-            )
+                procs[rank] = cluster.spawn(rank, argv, env, paths.log(rank))
+            injector = FaultInjector(config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), paths.faults)
             record["faults"] = injector.records
             failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll)
             killed = [r["rank"] for r in injector.records if r["fault"] == "kill"]
             if failure and killed:
                 failure += f" (--fault kill injected on rank {', '.join(map(str, killed))})"
+            # Every rank waits on a dead link alike, so the watchdog's blame says nothing; the outage does.
+            outage = injector.outage_note(config.collective_timeout_s) if failure else None
+            if outage:
+                failure += f" ({outage})"
             if failure is None:
                 record["wire_bytes_run"] = wire.total()
         except Interrupted as sig:
@@ -273,8 +286,7 @@ def _teardown(
     record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
     summary = summarize(config, folder.staging, failure, record)
     summary["teardown_errors"] = teardown_errors
-    folder.write_json(
-        "environment.json",
+    folder.write_environment(
         environment(
             {
                 "backend": config.backend,
@@ -282,9 +294,9 @@ def _teardown(
                 "applied_qdiscs": cluster.applied_qdiscs,
                 "kernel_qdiscs": qdiscs,
             }
-        ),
+        )
     )
-    folder.write_json("summary.json", summary)
+    folder.write_summary(summary)
     return summary, folder.commit()
 
 
@@ -326,13 +338,14 @@ def _watch(
     """Wait for every rank; a rank that fails fails the run (the others would hang in collectives), and so does a
     run that makes no progress (the watchdog) or whose cluster disappears. `inject_faults` gets rank 0's completed
     steps at every poll (harness/run/faults.py)."""
-    tails = {rank: EventTail(run_dir / "events" / f"rank{rank}.jsonl") for rank in procs}
+    tails = {rank: EventTail(RunPaths(run_dir).events(rank)) for rank in procs}
     last_event_at = dict.fromkeys(procs, time.monotonic())
     steps_logged = dict.fromkeys(procs, 0)
     slowest_step_s = 0.0
     last_wire, last_t = wire.read(), time.monotonic()
     last_intact_check = last_t
     latest: dict[str, Any] = {}
+    stopped_since: dict[int, float] = {}
     while True:
         check_signals()
         if any(p.poll() not in (None, 0) for p in procs.values()):
@@ -357,6 +370,11 @@ def _watch(
             gone = wire.cluster.vanished()
             if gone:
                 raise BackendVanished(gone)
+        for rank, proc in procs.items():
+            if not _stopped(proc):
+                stopped_since.pop(rank, None)
+            elif now - stopped_since.setdefault(rank, now) > STOPPED_FAIL_S:
+                return _stalled({rank: proc}, topology, steps_logged, now - last_event_at[rank])
         stall_s = max(config.collective_timeout_s, STALL_STEP_FACTOR * slowest_step_s)
         if now - max(last_event_at.values()) > stall_s:
             return _stalled(procs, topology, steps_logged, now - max(last_event_at.values()))
@@ -413,7 +431,7 @@ def _first_failure(procs: dict[int, Worker], topology: Topology, run_dir: Path) 
     def first_sign(rank: int) -> float:
         if failed[rank] < 0:
             return -math.inf
-        errors = [e["t"] for e in read_events(run_dir / "events" / f"rank{rank}.jsonl") if e["kind"] == "error"]
+        errors = [e["t"] for e in read_events(run_dir, rank) if e["kind"] == "error"]
         return min(errors, default=math.inf)
 
     cause = min(failed, key=lambda rank: (first_sign(rank), rank))

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,9 @@ from typing import Any
 from harness.net.conformance import conforms, max_excess
 from harness.net.link import default_burst_bytes
 from harness.run.config import RunConfig
-from harness.run.events import read_events
+from harness.run.folder import read_events, read_rank_result
+from harness.run.lock import _host_uid
 from trainers.models import count_parameters, get_model_config
-from trainers.registry import method_config
 
 SUMMARY_SCHEMA = 1
 
@@ -34,7 +35,10 @@ def _version(package: str) -> str | None:
 def _git(*args: str) -> str | None:
     repo = Path(__file__).resolve().parents[2]
     try:
-        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=5)
+        # Without root the harness runs as root of its own user namespace, where the checkout's owner is unmapped
+        # and git refuses it as of "dubious ownership": this is our own code, read-only.
+        command = ["git", "-c", f"safe.directory={repo}", "-C", str(repo), *args]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -52,18 +56,11 @@ def environment(extra: dict[str, Any]) -> dict[str, Any]:
         "machine": platform.machine(),
         "hostname": platform.node(),
         "cpu_count": os.cpu_count(),
+        # In the user namespace of a run without root euid is 0; the host's uid says who really ran it.
         "euid": os.geteuid(),
+        "host_uid": _host_uid(),
         **extra,
     }
-
-
-def _rank_results(run_dir: Path, world_size: int) -> dict[int, dict[str, Any]]:
-    found = {}
-    for rank in range(world_size):
-        path = run_dir / "ranks" / f"rank{rank}.json"
-        if path.exists():
-            found[rank] = json.loads(path.read_text())
-    return found
 
 
 def _hidden_fraction(syncs: list[dict[str, Any]]) -> float | None:
@@ -89,59 +86,49 @@ def _wire_samples(events: list[dict[str, Any]]) -> list[tuple[float, int]]:
     return [(steps[0]["t"] - steps[0]["step_s"], 0)] + [(e["t"], e["wire_bytes"]) for e in steps] if steps else []
 
 
-def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_record: dict[str, Any]) -> dict:
-    """summary.json: the run's headline figures, from the ranks' results and events."""
-    world = config.clusters * config.stages
-    ranks = _rank_results(run_dir, world)
-    events = {r: read_events(run_dir / "events" / f"rank{r}.jsonl") for r in range(world)}
-    steps = [e for e in events[0] if e["kind"] == "step"]
-    # A method's last exchange may complete in finish(), logged as its own event after the last step.
-    syncs = [e for e in events[0] if e["kind"] in ("step", "finish") and "sync_payload_bytes" in e]
-    last_stage = [c * config.stages + config.stages - 1 for c in range(config.clusters)]
-    first_stage = [c * config.stages for c in range(config.clusters)]
-    evals = [e for e in events[last_stage[0]] if e["kind"] == "eval"]
-    status = "ok" if failure is None and len(ranks) == world else "failed"
-    if status == "failed" and failure is None:
-        failure = f"only {len(ranks)} of {world} ranks reported results"
+@dataclass(frozen=True)
+class _Records:
+    """What the ranks left in the run folder: each one's result (ranks/, where it finished) and events."""
 
-    def from_ranks(key: str, which: list[int]) -> list:
-        return [ranks[r][key] for r in which if r in ranks and ranks[r].get(key) is not None]
+    config: RunConfig
+    ranks: dict[int, dict[str, Any]]
+    events: dict[int, list[dict[str, Any]]]
 
-    window_s = ranks.get(0, {}).get("window_s")
-    window_tokens = ranks.get(0, {}).get("window_tokens")
-    # Tokens that count are tokens in the final model: those whose updates the synchronized parameters hold. A
-    # stage-0 rank speaks for its replica (every stage of a replica synchronizes the same rounds).
-    applied_tokens = ranks.get(0, {}).get("applied_tokens")
-    window_applied_tokens = ranks.get(0, {}).get("window_applied_tokens", window_tokens)
-    train_losses = from_ranks("final_train_loss", last_stage)
-    wire = from_ranks("wire_bytes", first_stage)
-    tokens = steps[-1]["tokens"] if steps else 0
-    exchanges = [e for e in syncs if e.get("sync_payload_bytes")]
-    link = config.profile.inter_cluster
-    per_cluster = []
-    for cluster, rank in enumerate(first_stage):
-        # Each cluster's uplink at its own rate (a profile's `sites` may give it one).
-        up, down = config.profile.uplink(cluster), config.profile.downlink(cluster)
-        rate = up.rate_bps if config.clusters > 1 else None
-        per_cluster.append(
-            {
-                "cluster": cluster,
-                "uplink_rate_bps": up.rate_bps,
-                "downlink_rate_bps": down.rate_bps,
-                "wire_bytes": ranks.get(rank, {}).get("wire_bytes"),
-                # How long this cluster's replica waited on the slow link (its stage-0 rank's blocked time).
-                "comm_blocked_s": sum(
-                    e.get("sync_blocked_s", 0.0) for e in events[rank] if e["kind"] in ("step", "finish")
-                ),
-                "link_max_excess": (
-                    max_excess(_wire_samples(events[rank]), rate, default_burst_bytes(rate)) if rate else None
-                ),
-            }
-        )
-    excess = max((c["link_max_excess"] for c in per_cluster if c["link_max_excess"] is not None), default=None)
-    retransmitted = from_ranks("tcp_retransmitted_segments", first_stage)
-    out_segments = from_ranks("tcp_out_segments", first_stage)
-    summary = {
+    @classmethod
+    def read(cls, config: RunConfig, run_dir: Path) -> _Records:
+        world = config.clusters * config.stages
+        results = {rank: read_rank_result(run_dir, rank) for rank in range(world)}
+        ranks = {rank: result for rank, result in results.items() if result is not None}
+        return cls(config, ranks, {rank: read_events(run_dir, rank) for rank in range(world)})
+
+    @property
+    def first_stage(self) -> list[int]:
+        return [c * self.config.stages for c in range(self.config.clusters)]
+
+    @property
+    def last_stage(self) -> list[int]:
+        return [c * self.config.stages + self.config.stages - 1 for c in range(self.config.clusters)]
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return [e for e in self.events[0] if e["kind"] == "step"]
+
+    @property
+    def syncs(self) -> list[dict[str, Any]]:
+        """Rank 0's events that carry an exchange: a method's last one may complete in finish(), logged as its own
+        event after the last step."""
+        return [e for e in self.events[0] if e["kind"] in ("step", "finish") and "sync_payload_bytes" in e]
+
+    def rank0(self, key: str, default: Any = None) -> Any:
+        return self.ranks.get(0, {}).get(key, default)
+
+    def from_ranks(self, key: str, which: list[int]) -> list:
+        return [self.ranks[r][key] for r in which if r in self.ranks and self.ranks[r].get(key) is not None]
+
+
+def _identity(config: RunConfig, status: str, failure: str | None) -> dict[str, Any]:
+    """What ran, where, and how it ended."""
+    return {
         "schema": SUMMARY_SCHEMA,
         "run_id": config.run_id,
         "status": status,
@@ -149,7 +136,7 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "method": config.method,
         "method_options": config.method_options,
         # DiLoCoX's overlap mode in force (its default when the user set none); None for other methods.
-        "overlap": getattr(method_config(config.method, config.method_options), "overlap", None),
+        "overlap": getattr(config.method_config, "overlap", None),
         "profile": config.profile.name,
         "link_rate_bps": config.profile.inter_cluster.rate_bps,
         "backend": config.backend,
@@ -158,14 +145,62 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "model": config.train.model,
         "param_count": count_parameters(get_model_config(config.train.model)),
         "seed": config.train.seed,
+    }
+
+
+def _throughput(records: _Records) -> dict[str, Any]:
+    steps = records.steps
+    tokens = steps[-1]["tokens"] if steps else 0
+    window_s = records.rank0("window_s")
+    window_tokens = records.rank0("window_tokens")
+    return {
         "steps": len(steps),
         "tokens": tokens,
         "trained_tokens": tokens,
-        "applied_tokens": applied_tokens,
-        "throughput_warmup_steps": config.train.throughput_warmup_steps,
+        # Tokens that count are tokens in the final model: those whose updates the synchronized parameters hold. A
+        # stage-0 rank speaks for its replica (every stage of a replica synchronizes the same rounds).
+        "applied_tokens": records.rank0("applied_tokens"),
+        "throughput_warmup_steps": records.config.train.throughput_warmup_steps,
         "wall_s": (steps[-1]["t"] - steps[0]["t"] + steps[0]["step_s"]) if steps else None,
-        "tokens_per_s": window_applied_tokens / window_s if window_s else None,
+        "tokens_per_s": records.rank0("window_applied_tokens", window_tokens) / window_s if window_s else None,
         "trained_tokens_per_s": window_tokens / window_s if window_s else None,
+    }
+
+
+def _per_cluster(records: _Records) -> list[dict[str, Any]]:
+    config = records.config
+    per_cluster = []
+    for cluster, rank in enumerate(records.first_stage):
+        # Each cluster's uplink at its own rate (a profile's `sites` may give it one).
+        up, down = config.profile.uplink(cluster), config.profile.downlink(cluster)
+        rate = up.rate_bps if config.clusters > 1 else None
+        events = records.events[rank]
+        per_cluster.append(
+            {
+                "cluster": cluster,
+                "uplink_rate_bps": up.rate_bps,
+                "downlink_rate_bps": down.rate_bps,
+                "wire_bytes": records.ranks.get(rank, {}).get("wire_bytes"),
+                # How long this cluster's replica waited on the slow link (its stage-0 rank's blocked time).
+                "comm_blocked_s": sum(e.get("sync_blocked_s", 0.0) for e in events if e["kind"] in ("step", "finish")),
+                "link_max_excess": (
+                    max_excess(_wire_samples(events), rate, default_burst_bytes(rate)) if rate else None
+                ),
+            }
+        )
+    return per_cluster
+
+
+def _link(records: _Records) -> dict[str, Any]:
+    """The slow link: bytes on it, whether they kept to its rate, and how TCP fared."""
+    config, link = records.config, records.config.profile.inter_cluster
+    wire = records.from_ranks("wire_bytes", records.first_stage)
+    applied_tokens = records.rank0("applied_tokens")
+    per_cluster = _per_cluster(records)
+    excess = max((c["link_max_excess"] for c in per_cluster if c["link_max_excess"] is not None), default=None)
+    retransmitted = records.from_ranks("tcp_retransmitted_segments", records.first_stage)
+    out_segments = records.from_ranks("tcp_out_segments", records.first_stage)
+    return {
         "wire_bytes": sum(wire) if len(wire) == config.clusters and config.clusters > 1 else None,
         "wire_bytes_per_token": (
             sum(wire) / applied_tokens if wire and applied_tokens and config.clusters > 1 else None
@@ -177,21 +212,55 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         "link_conforms": conforms(excess),
         "tcp_retransmitted_segments": sum(retransmitted) if retransmitted else None,
         "tcp_retransmit_fraction": sum(retransmitted) / sum(out_segments) if sum(out_segments or [0]) else None,
+    }
+
+
+def _communication(records: _Records) -> dict[str, Any]:
+    syncs = records.syncs
+    return {
         "payload_bytes": sum(
-            e.get("sync_payload_bytes", 0) for r in range(world) for e in events[r] if e["kind"] in ("step", "finish")
+            e.get("sync_payload_bytes", 0)
+            for events in records.events.values()
+            for e in events
+            if e["kind"] in ("step", "finish")
         ),
         # Exchanges that crossed the slow link (an event that only applied an earlier exchange is not one).
-        "sync_count": len(exchanges),
+        "sync_count": len([e for e in syncs if e.get("sync_payload_bytes")]),
         "comm_blocked_s": sum(e["sync_blocked_s"] for e in syncs),
         "comm_overlapped_s": sum(e["sync_overlapped_s"] for e in syncs),
         "overlap_hidden_fraction": _hidden_fraction(syncs),
+    }
+
+
+def _outcome(records: _Records) -> dict[str, Any]:
+    """Where training ended up, and what each rank ran on."""
+    train_losses = records.from_ranks("final_train_loss", records.last_stage)
+    evals = [e for e in records.events[records.last_stage[0]] if e["kind"] == "eval"]
+    return {
         "final_train_loss": sum(train_losses) / len(train_losses) if train_losses else None,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "initial_val_loss": evals[0]["val_loss"] if evals else None,
-        "optimizer_state_bytes_per_rank": [ranks[r].get("optimizer_state_bytes") for r in sorted(ranks)],
-        "link_busbw_bps": ranks.get(0, {}).get("link_busbw_bps"),
-        "device": ranks.get(0, {}).get("device"),
-        "dist_backend": ranks.get(0, {}).get("dist_backend"),
+        "optimizer_state_bytes_per_rank": [
+            records.ranks[r].get("optimizer_state_bytes") for r in sorted(records.ranks)
+        ],
+        "link_busbw_bps": records.rank0("link_busbw_bps"),
+        "device": records.rank0("device"),
+        "dist_backend": records.rank0("dist_backend"),
+    }
+
+
+def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_record: dict[str, Any]) -> dict:
+    """summary.json: the run's headline figures, from the ranks' results and events."""
+    records = _Records.read(config, run_dir)
+    world = config.clusters * config.stages
+    status = "ok" if failure is None and len(records.ranks) == world else "failed"
+    if status == "failed" and failure is None:
+        failure = f"only {len(records.ranks)} of {world} ranks reported results"
+    return {
+        **_identity(config, status, failure),
+        **_throughput(records),
+        **_link(records),
+        **_communication(records),
+        **_outcome(records),
         **backend_record,
     }
-    return summary

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import signal
 import statistics
@@ -25,8 +24,8 @@ from harness.net.topology import Topology
 from harness.process import set_parent_death_signal
 from harness.run.config import RunConfig
 from harness.run.events import EventWriter
+from harness.run.folder import RunPaths, write_rank_result
 from trainers.comm import allreduce_payload_bytes
-from trainers.registry import method_config
 from trainers.train import ParallelContext, train
 
 
@@ -135,10 +134,11 @@ def main() -> int:
     args = parser.parse_args()
     _die_with_parent()
 
-    config = RunConfig.load(args.run_dir / "config.json")
+    paths = RunPaths(args.run_dir)
+    config = RunConfig.load(paths.config)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     topology = Topology(config.clusters, config.stages)
-    writer = log = EventWriter(args.run_dir / "events" / f"rank{rank}.jsonl", rank=rank)
+    writer = log = EventWriter(paths.events(rank), rank=rank)
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
     torch.set_num_threads(int(os.environ.get("HARNESS_THREADS", max(1, (os.cpu_count() or 1) // world_size))))
     try:
@@ -168,7 +168,7 @@ def main() -> int:
                 train(
                     config.train,
                     config.method,
-                    method_config(config.method, config.method_options),
+                    config.method_config,
                     par,
                     log,
                     counter.tx_bytes if counter else None,
@@ -178,8 +178,7 @@ def main() -> int:
             tcp_after = tcp_counters()
             result["tcp_out_segments"] = tcp_after["OutSegs"] - tcp_before["OutSegs"]
             result["tcp_retransmitted_segments"] = tcp_after["RetransSegs"] - tcp_before["RetransSegs"]
-        (args.run_dir / "ranks").mkdir(exist_ok=True)
-        (args.run_dir / "ranks" / f"rank{rank}.json").write_text(json.dumps(result))
+        write_rank_result(args.run_dir, rank, result)
         dist.destroy_process_group()
         return 0
     except Exception as err:

@@ -116,3 +116,27 @@ def write_run(
     summary = summarize(config, run_dir, failure, {})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return run_dir
+
+
+# How a results file gets damaged (a disk that filled up, a copy cut short, a file overwritten by hand) -> what the
+# readers (harness/run/folder.py) must say about it.
+DAMAGE = {
+    "truncated": "cut short",
+    "empty": "empty",
+    "binary": "binary, not JSON text",
+    "list-shaped": "a JSON list, not an object",
+    "without method": "lacks method",
+}
+
+
+def damage(path: Path, how: str) -> str:
+    """Damages the JSON object file `path` as DAMAGE names it; returns what its reader must say."""
+    text = path.read_text()
+    if how == "binary":
+        path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    else:
+        data = json.loads(text)
+        data.pop("method", None)
+        shown = {"truncated": text[: len(text) // 2], "empty": "", "list-shaped": json.dumps([data])}
+        path.write_text(shown.get(how, json.dumps(data)))
+    return DAMAGE[how]

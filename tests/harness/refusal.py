@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from pathlib import Path
 
 import click
@@ -18,6 +19,7 @@ import harness.cli as cli
 import harness.run.config
 import harness.run.runner as runner
 from harness import userns
+from harness.cli import common
 from tests.harness.hoststate import link_names, netns_names
 
 # The kernel creates ifb0/ifb1 in the host namespace when the ifb module is first loaded (the qdisc probe may do
@@ -54,18 +56,25 @@ def harness_cli(tmp_path, monkeypatch):
     for var in ("HARNESS_MAX_RATE", "HARNESS_TIMEOUT_S", userns.REEXEC_MARK):
         monkeypatch.delenv(var, raising=False)
     # What a pipe or a CI log gets, whatever terminal runs the tests.
-    monkeypatch.setattr(cli.console, "_width", 80)
+    monkeypatch.setattr(common.console, "_width", 80)
     monkeypatch.setattr(harness.run.config.secrets, "token_hex", lambda nbytes: TEST_KEY_HEX)
 
     def started(*args, **kwargs):
         raise RunStarted("validation passed and the run started")
 
     monkeypatch.setattr(runner, "run", started)
+    monkeypatch.setattr(runner, "execute", started)
     monkeypatch.setattr(userns, "reexec_in_user_namespace", started)
 
     def invoke(args: list[str]) -> tuple[Result, dict, dict]:
         before = host_state(tmp_path)
-        result = CliRunner().invoke(cli.main, args)
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            result = CliRunner().invoke(cli.main, args)
+        finally:
+            # A run that returned leaves them ignored to the end of the process, which here goes on.
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         return result, before, host_state(tmp_path)
 
     return invoke

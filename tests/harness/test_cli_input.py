@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +25,8 @@ from click.testing import CliRunner
 import harness.cli as cli
 import harness.run.runner as runner
 from harness import userns
+from harness.cli import common
+from harness.cli import options as cli_options
 from harness.errors import UserError
 from harness.net.profiles import known_profiles, load_profile
 from harness.net.shaping import probe_qdiscs
@@ -31,6 +37,7 @@ from tests.harness.refusal import (
     flat,
     lines,
 )
+from trainers.registry import method_names, method_options
 
 SHIPPED = known_profiles()
 IS_ROOT = os.geteuid() == 0
@@ -245,8 +252,8 @@ def test_good_input_reaches_the_run_and_creates_nothing_before(harness_cli, tmp_
 
 def test_method_option_that_does_not_apply(harness_cli, tmp_path, monkeypatch):
     """A flag generated from another method's config is refused for this method, by name."""
-    options = cli._method_options()
-    methods = cli.method_names()
+    options = method_options()
+    methods = method_names()
     foreign = [
         (name, method, kind, defaults)
         for name, (kind, defaults, _) in sorted(options.items())
@@ -276,8 +283,8 @@ def test_validate_returns_the_default_results_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.delenv("HARNESS_MAX_RATE", raising=False)
     config = RunConfig(method="allreduce", profile=load_profile("1gbps"))
-    folder = runner.validate(config, None)
-    assert folder.final == Path("results") / "runs" / config.run_id
+    checked = runner.validate(config, None)
+    assert checked.folder.final == Path("results") / "runs" / config.run_id
     assert list(tmp_path.iterdir()) == []
 
 
@@ -359,7 +366,103 @@ def test_doctor_prints_its_findings_as_text_not_markup(monkeypatch):
 
     check = harness.doctor.Check("docker SDK", False, "not installed (pip install 'harness[docker]')", "[/x] no tag")
     monkeypatch.setattr(harness.doctor, "diagnose", lambda: [check])
-    monkeypatch.setattr(cli.console, "_width", 200)
+    monkeypatch.setattr(common.console, "_width", 200)
     result = CliRunner().invoke(cli.main, ["doctor"])
     assert result.exit_code == 0, result.output
     assert "pip install 'harness[docker]'" in result.output and "[/x] no tag" in result.output
+
+
+# --- the command group and its start ------------------------------------------------------------------------------
+
+
+def test_help_lists_the_commands_without_importing_them():
+    code = (
+        "import sys\nfrom click.testing import CliRunner\nfrom harness.cli import main\n"
+        "print(CliRunner().invoke(main, ['--help']).output)\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('harness', 'trainers', 'rich', 'yaml', 'torch'))))"
+    )
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert shown.stdout.strip().endswith("['harness', 'harness.cli']"), shown.stdout
+    for name in cli.COMMANDS:
+        assert re.search(rf"^  {name}\s", shown.stdout, re.MULTILINE), f"{name} not listed:\n{shown.stdout}"
+
+
+@pytest.mark.parametrize("width", [60, 110, 200])
+def test_the_listing_is_what_click_prints_from_the_commands_themselves(width):
+    """`harness --help` lists the summaries in COMMANDS; loaded, the commands must say the same."""
+    loaded = {name: cli.main.get_command(click.Context(cli.main), name) for name in cli.COMMANDS}
+    assert {name: command.name for name, command in loaded.items()} == {name: name for name in cli.COMMANDS}
+    eager = click.Group(cli.main.name, commands=loaded, help=cli.main.help, context_settings=cli.main.context_settings)
+    shown = CliRunner().invoke(cli.main, ["--help"], terminal_width=width)
+    assert shown.exit_code == 0, shown.output
+    assert shown.output == CliRunner().invoke(eager, ["--help"], terminal_width=width).output
+
+
+# A run's summary.json, as much of it as the printer needs.
+SUMMARY = {
+    "status": "ok",
+    "method": "allreduce",
+    "profile": "1gbps",
+    "clusters": 2,
+    "stages": 1,
+    "backend": "netns",
+    "model": "tiny",
+    "param_count": 1_000_000,
+    "steps": 3,
+    "tokens": 3072,
+    "results_dir": "results/runs/r",
+}
+
+
+@pytest.mark.parametrize("when", ["parsing", "validated"])
+def test_sigint_before_the_run_stops_the_command_and_creates_nothing(when, harness_cli, monkeypatch):
+    """It raised KeyboardInterrupt wherever the command was (exit 2, "error: aborted"); while parsing imports torch,
+    torch could swallow it and the run went on."""
+
+    def interrupt_then(step: Callable) -> Callable:
+        def interrupted(*args):
+            os.kill(os.getpid(), signal.SIGINT)
+            return step(*args)
+
+        return interrupted
+
+    if when == "parsing":
+        monkeypatch.setattr(cli_options.WithMethodOptions, "get_params", interrupt_then(click.Command.get_params))
+    else:
+        monkeypatch.setattr(userns, "needs_reexec", interrupt_then(lambda: False))
+    result, before, after = harness_cli(["run", "--steps", "3"])
+    assert not isinstance(result.exception, RunStarted), result.output
+    assert result.exit_code == 130, result.output
+    assert "interrupted by SIGINT before the run started" in flat(result.output)
+    assert after == before
+
+
+def test_sigint_before_the_runner_takes_signals_over_stops_the_run(harness_cli, monkeypatch):
+    """It was ignored until the runner installed its handlers (the CLI had set SIG_IGN): the run went on, exit 0."""
+
+    def execute(checked, on_progress=None):
+        os.kill(os.getpid(), signal.SIGINT)  # before the runner's handlers are in place
+        with runner._Signals() as signals:
+            deadline = time.monotonic() + 2
+            while not signals.received and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if not signals.received:
+            return SUMMARY
+        return {**SUMMARY, "status": "failed", "failure": "interrupted", "interrupted_by": signals.received[0]}
+
+    monkeypatch.setattr(userns, "needs_reexec", lambda: False)
+    monkeypatch.setattr(runner, "execute", execute)
+    result, _, _ = harness_cli(["run", "--steps", "3"])
+    assert result.exit_code == 130, result.output
+    assert "failed - interrupted" in flat(result.output)
+
+
+@pytest.mark.parametrize(("fraction", "shown"), [(None, "unknown"), (0.0, "0.0% of segments"), (0.012, "1.2% of")])
+def test_the_summary_says_when_tcp_retransmits_are_unknown(fraction, shown, harness_cli, monkeypatch):
+    """None (no counters) once printed as 0.0%."""
+    link = {"link_max_excess": 0.98, "link_conforms": True, "tcp_retransmit_fraction": fraction}
+    monkeypatch.setattr(userns, "needs_reexec", lambda: False)
+    monkeypatch.setattr(runner, "execute", lambda checked, on_progress=None: {**SUMMARY, **link})
+    result, _, _ = harness_cli(["run", "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert f"TCP retransmitted {shown}" in flat(result.output)

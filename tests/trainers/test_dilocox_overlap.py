@@ -73,6 +73,7 @@ def test_cli_offers_the_modes_and_keeps_no_overlap():
     from click.testing import CliRunner
 
     from harness import cli
+    from harness.cli.run import run
 
     shown = CliRunner().invoke(cli.main, ["run", "--help"]).output
     assert "--overlap [none|delayed|eager|streaming]" in shown
@@ -80,7 +81,8 @@ def test_cli_offers_the_modes_and_keeps_no_overlap():
     assert "--no-overlap" not in shown  # a hidden alias: the modes are the documented way
 
     def parsed(args: list[str]) -> str | None:
-        return cli.run.make_context("run", ["--method", "dilocox", *args]).params["overlap"]
+        with run.make_context("run", ["--method", "dilocox", *args]) as ctx:
+            return ctx.params["overlap"]
 
     assert parsed([]) is None  # unset: the method's default
     assert parsed(["--no-overlap"]) == "none"

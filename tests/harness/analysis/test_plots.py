@@ -8,8 +8,9 @@ import matplotlib
 import pytest
 from click.testing import CliRunner
 
+from harness.analysis.comparison import comparison
 from harness.analysis.plots import loss_figure, monitor_figure, plot_all, rtt_families, step_breakdown, sync_rounds
-from harness.analysis.report import comparison, eval_curve, load_runs
+from harness.analysis.tables import eval_curve, load_runs
 from harness.cli import main
 from tests.harness.fakeruns import write_run
 

@@ -9,12 +9,18 @@ import pytest
 from click.testing import CliRunner
 
 from harness.analysis import project
-from harness.analysis.project import LinkModel, ProjectionError, Schedule, schedule
+from harness.analysis.project import LinkModel, ProjectionError, Schedule
 from harness.cli import main
 from harness.net.profiles import load_profile
+from harness.run.config import RunConfig
 from tests.harness.fakeruns import write_run
 
 LINK_100M_160MS = LinkModel(100e6, 0.160, efficiency=0.94, window_bytes=4 << 20)
+
+
+def schedule(method, options, model, n, link):
+    """What harness project makes of the schedule the method declares, for a run of it with these options."""
+    return project.schedule(RunConfig.build(method, "unshaped", clusters=n, model=model, **options), link)
 
 
 def test_collectives_pay_their_bytes_at_the_goodput_and_one_rtt_per_ring_step():

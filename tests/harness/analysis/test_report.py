@@ -1,98 +1,23 @@
-"""The report's tables and arithmetic, on run folders with known (made-up) numbers."""
+"""The report (harness/analysis/report.py): the comparison as markdown, its files, and `harness report`, on run
+folders with known (made-up) numbers."""
 
 from __future__ import annotations
 
 import math
-import shutil
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
 from click.testing import CliRunner
 
 from harness.analysis import report
-from harness.analysis.report import ReportError, comparison, load_runs, markdown
+from harness.analysis.comparison import ReportError, comparison, site_comparison, t_quantile_975
+from harness.analysis.report import markdown
+from harness.analysis.tables import load_runs
 from harness.cli import main
-from tests.harness.fakeruns import EVAL_S, write_run
-
-
-@pytest.fixture
-def results(tmp_path):
-    """Two seeds each of allreduce, opendiloco (H=10) and local on 1gbps; one allreduce on 100mbps; one failure."""
-    root = tmp_path / "sweep" / "runs"
-    h10 = {"local_steps": 10}
-    for name, method, seed, tokens_per_s, wire, losses, options in (
-        ("ar-s0", "allreduce", 0, 1000, 400, (5.5, 4.4, 4.0), {}),
-        ("ar-s1", "allreduce", 1, 1200, 400, (5.5, 4.2, 3.8), {}),
-        ("dl-s0", "opendiloco", 0, 5500, 4, (5.5, 4.6, 4.1), h10),
-        ("dl-s1", "opendiloco", 1, 5500, 4, (5.5, 4.8, 4.3), h10),
-        ("local-s0", "local", 0, 11000, 0, (5.5, 5.0, 4.9), {}),
-    ):
-        write_run(root, name, method, seed=seed, tokens_per_s=tokens_per_s, wire_bytes_per_token=wire,
-                  val_losses=losses, options=options)  # fmt: skip
-    write_run(root, "ar-100", "allreduce", profile="100mbps", tokens_per_s=300, val_losses=(5.5, 4.4, 4.0))
-    write_run(root, "broken", "opendiloco", failure="rank 1 exited with code 1", options=h10)
-    return tmp_path / "sweep"
-
-
-def row(table: pd.DataFrame, variant: str, profile: str = "1gbps") -> pd.Series:
-    return table[(table["variant"] == variant) & (table["profile"] == profile)].iloc[0]
-
-
-def cells_of(text: str, variant: str, profile: str = "1gbps") -> list[str]:
-    """The cells of the first markdown row whose method starts with `variant`, in `profile`'s section."""
-    section = text[text.index(f"### {profile} ") :]
-    line = next(x for x in section.splitlines() if x.startswith(f"| {variant}"))
-    return [c.strip() for c in line.strip().strip("|").split("|")]
-
-
-def test_tidy_tables_have_one_row_per_run_and_per_event(results):
-    tables = load_runs([results])
-    assert len(tables.runs) == 7
-    assert set(tables.runs["status"]) == {"ok", "failed"}
-    assert set(tables.runs["variant"]) == {"allreduce", "opendiloco local_steps=10", "local"}
-    # Paths are relative to the folder named, so copied results report the same.
-    assert set(tables.runs["path"]) >= {"sweep/runs/ar-s0", "sweep/runs/local-s0"}
-    # 2 ranks x (20 steps + 3 evals) per run.
-    assert (tables.events.groupby("run_id").size() == 2 * 23).all()
-    assert set(tables.events["kind"]) == {"step", "eval"}
-
-
-def test_elapsed_time_leaves_evaluation_out(results):
-    events = load_runs([results / "runs" / "ar-s0"]).events
-    rank0 = events[events["rank"] == 0]
-    step_s = 2048 / 1000
-    last_step = rank0[(rank0["kind"] == "step") & (rank0["step"] == 19)].iloc[0]
-    assert last_step["elapsed_s"] == pytest.approx(20 * step_s)
-    final_eval = rank0[(rank0["kind"] == "eval") & (rank0["step"] == 20)].iloc[0]
-    assert final_eval["elapsed_s"] == pytest.approx(20 * step_s)
-    middle_eval = rank0[(rank0["kind"] == "eval") & (rank0["step"] == 10)].iloc[0]
-    assert middle_eval["elapsed_s"] == pytest.approx(10 * step_s)
-    assert EVAL_S > 0  # the fake run did spend time evaluating, which elapsed_s must not count
-
-
-def test_ratios_reductions_utilisation_and_losses(results):
-    table = comparison(load_runs([results]))
-    ar, dl, local = row(table, "allreduce"), row(table, "opendiloco local_steps=10"), row(table, "local")
-    assert ar["tokens_per_s"] == pytest.approx(1100)
-    assert ar["tokens_per_s_std"] == pytest.approx(math.sqrt(2 * 100**2))
-    # n = 2: the range, not a standard deviation.
-    assert (ar["tokens_per_s_n"], ar["tokens_per_s_low"], ar["tokens_per_s_high"]) == (2, 1000, 1200)
-    # allreduce ran seeds 0 and 1 too: the ratio is paired, per seed, then averaged.
-    assert dl["ratio_to_allreduce_pairing"] == "paired"
-    assert dl["ratio_to_allreduce"] == pytest.approx((5500 / 1000 + 5500 / 1200) / 2)
-    assert (dl["ratio_to_allreduce_low"], dl["ratio_to_allreduce_high"]) == pytest.approx((5500 / 1200, 5.5))
-    assert ar["ratio_to_allreduce"] == 1.0 and ar["ratio_to_allreduce_pairing"] == "reference"
-    assert dl["wire_reduction"] == pytest.approx(100.0)
-    # local ran only seed 0: utilisation of a two-seed variant is the ratio of means, without spread.
-    assert dl["utilisation_pairing"] == "ratio of means"
-    assert dl["utilisation"] == pytest.approx(0.5) and math.isnan(dl["utilisation_low"])
-    assert ar["utilisation"] == pytest.approx(0.1)
-    assert local["utilisation"] == pytest.approx(1.0)
-    assert dl["final_val_loss"] == pytest.approx(4.2)
-    assert dl["final_val_loss_std"] == pytest.approx(math.sqrt(0.02))
-    assert (ar["seeds"], ar["runs"]) == ("0,1", 2)
-    # The fake steps spend 3/4 of their time computing: each run reaches 75% of its own compute ceiling.
-    assert ar["compute_utilisation"] == pytest.approx(0.75) and local["compute_utilisation"] == pytest.approx(0.75)
+from tests.harness.analysis.reporting import cells_of, row
+from tests.harness.fakeruns import damage, write_run
 
 
 def test_interval_of_three_runs_is_the_student_t_one(tmp_path):
@@ -120,7 +45,6 @@ def test_interval_of_three_runs_is_the_student_t_one(tmp_path):
     cells = cells_of(markdown(table, tables.runs), "allreduce")
     assert cells[1] == "3" and cells[3] == f"1,133 ± {half:,.0f}" == "1,133 ± 379"
     assert cells_of(markdown(table, tables.runs), "opendiloco")[4] == "4.46x ± 1.4 (paired)"
-    assert report.t_quantile_975(2) == 4.3027 and report.t_quantile_975(60) == pytest.approx(2.0003, abs=1e-4)
 
 
 def test_one_run_says_it_has_no_spread(tmp_path):
@@ -134,25 +58,6 @@ def test_one_run_says_it_has_no_spread(tmp_path):
     assert cells[1:5] == ["1", "0", "4,000 (n=1, no spread)", "4x (n=1, no spread, paired)"]
     assert cells[6] == "75% (n=1, no spread)" and cells[9] == "4.000 (n=1, no spread)"
     assert "± " not in cells_of(markdown(table, tables.runs), "allreduce")[3]
-
-
-def test_compute_utilisation_uses_the_median_compute_after_warm_up_and_the_slowest_stage(tmp_path):
-    # 2048 tokens per step at 1000 tokens/s; warm-up steps (0-4) compute slowly and must not count.
-    def compute(rank, step):
-        if step < 5:
-            return 10.0
-        return (0.8, 1.0, 1.2)[step % 3] * (1.5 if rank % 2 else 1.0)
-
-    write_run(tmp_path, "flat", "local", tokens_per_s=1000, compute_s=compute)
-    write_run(tmp_path, "piped", "local", tokens_per_s=1000, compute_s=compute, options={"stages": 2})
-    runs = load_runs([tmp_path]).runs
-    runs.index = runs["path"].str.rsplit("/", n=1).str[-1]
-    # Median after warm-up: 1.0 s on rank 0; ceiling 2048 tokens/s.
-    assert runs.loc["flat", "compute_ceiling_tokens_per_s"] == pytest.approx(2048)
-    assert runs.loc["flat", "compute_utilisation"] == pytest.approx(1000 / 2048)
-    # Two stages: rank 1 (stage 1) is 1.5x slower and sets the pace.
-    assert runs.loc["piped", "compute_ceiling_tokens_per_s"] == pytest.approx(2048 / 1.5)
-    assert runs.loc["piped", "compute_utilisation"] == pytest.approx(1.5 * 1000 / 2048)
 
 
 def test_applied_and_trained_throughput_and_few_syncs_are_shown(tmp_path):
@@ -177,8 +82,8 @@ def test_applied_and_trained_throughput_and_few_syncs_are_shown(tmp_path):
     assert "trained tokens/s" not in markdown(comparison(only_ar), only_ar.runs)
 
 
-def test_default_target_is_allreduce_loss_plus_five_percent(results):
-    table = comparison(load_runs([results]))
+def test_default_target_is_allreduce_loss_plus_five_percent(sweep_results):
+    table = comparison(load_runs([sweep_results]))
     ar, dl, local = row(table, "allreduce"), row(table, "opendiloco local_steps=10"), row(table, "local")
     # allreduce's final losses 4.0 and 3.8: mean 3.9, x 1.05.
     assert ar["target_loss"] == pytest.approx(3.9 * 1.05) and ar["target_source"] == "allreduce"
@@ -188,17 +93,17 @@ def test_default_target_is_allreduce_loss_plus_five_percent(results):
     assert ar["time_to_target_s"] == pytest.approx((20 * 2048 / 1000 + 20 * 2048 / 1200) / 2)
     # ... opendiloco ends at 4.1 and 4.3, local at 4.9: never reached, whatever their last evaluation.
     assert dl["reached"] == 0 and math.isnan(dl["tokens_to_target"]) and local["reached"] == 0
-    tables = load_runs([results])
+    tables = load_runs([sweep_results])
     text = markdown(comparison(tables), tables.runs)
     assert "Target validation loss: 4.095 (allreduce's final 3.900 x 1.05)." in text
     assert cells_of(text, "opendiloco")[-2:] == ["not reached", "not reached"]
 
 
-def test_given_target_and_groups_without_allreduce(results):
-    write_run(results / "runs", "dl-100", "opendiloco", profile="100mbps", tokens_per_s=300,
+def test_given_target_and_groups_without_allreduce(sweep_results):
+    write_run(sweep_results / "runs", "dl-100", "opendiloco", profile="100mbps", tokens_per_s=300,
               options={"local_steps": 10})  # fmt: skip
-    (results / "runs" / "ar-100").rename(results / "ar-100-elsewhere")  # 100mbps now has no allreduce run
-    tables = load_runs([results / "runs"])
+    (sweep_results / "runs" / "ar-100").rename(sweep_results / "ar-100-elsewhere")  # 100mbps now has no allreduce run
+    tables = load_runs([sweep_results / "runs"])
     table = comparison(tables, target_loss=4.0)
     assert set(table["target_loss"]) == {4.0}
     assert row(table, "allreduce")["reached"] == 2
@@ -216,8 +121,8 @@ def test_given_target_and_groups_without_allreduce(results):
     assert "tokens to target" not in section and "tokens to target" in text[text.index("### 1gbps") :]
 
 
-def test_markdown_shows_the_comparison_and_the_failures(results):
-    tables = load_runs([results])
+def test_markdown_shows_the_comparison_and_the_failures(sweep_results):
+    tables = load_runs([sweep_results])
     text = markdown(comparison(tables), tables.runs)
     assert "### 1gbps (1 Gbit/s) · model tiny" in text and "### 100mbps (100 Mbit/s)" in text
     assert "n: runs aggregated" in text
@@ -232,33 +137,16 @@ def test_markdown_shows_the_comparison_and_the_failures(results):
     assert "1 failed run(s)" in text and "sweep/runs/broken: rank 1 exited with code 1" in text
 
 
-def test_report_runs_on_results_copied_elsewhere(results, tmp_path):
-    copy = tmp_path / "elsewhere" / "copied"
-    shutil.copytree(results, copy)
-    shutil.rmtree(results)
-    tables = load_runs([copy])
-    assert set(tables.runs["path"]) >= {"copied/runs/ar-s0"}
-    assert len(comparison(tables)) == 4
-
-
-def test_no_runs_and_only_failed_runs_are_clear_errors(tmp_path):
-    with pytest.raises(ReportError, match="no run folders"):
-        load_runs([tmp_path])
-    write_run(tmp_path, "broken", failure="rank 0 was killed by SIGKILL")
-    with pytest.raises(ReportError, match="no successful runs"):
-        comparison(load_runs([tmp_path]))
-
-
-def test_parquet_without_an_engine_says_so(results, tmp_path, monkeypatch):
+def test_parquet_without_an_engine_says_so(sweep_results, tmp_path, monkeypatch):
     monkeypatch.setattr(report, "parquet_engine", lambda: None)
     with pytest.raises(ReportError, match="parquet needs pyarrow or fastparquet"):
-        report.write_parquet(comparison(load_runs([results])), tmp_path / "x.parquet")
+        report.write_parquet(comparison(load_runs([sweep_results])), tmp_path / "x.parquet")
 
 
-def test_cli_prints_markdown_and_writes_tables(results, tmp_path, monkeypatch):
+def test_cli_prints_markdown_and_writes_tables(sweep_results, tmp_path, monkeypatch):
     monkeypatch.setattr(report, "parquet_engine", lambda: None)
     out = CliRunner().invoke(
-        main, ["report", str(results), "--csv", str(tmp_path / "c.csv"), "--tables", str(tmp_path / "t")]
+        main, ["report", str(sweep_results), "--csv", str(tmp_path / "c.csv"), "--tables", str(tmp_path / "t")]
     )
     assert out.exit_code == 0, out.output
     assert "| allreduce" in out.output
@@ -267,10 +155,10 @@ def test_cli_prints_markdown_and_writes_tables(results, tmp_path, monkeypatch):
     assert {"tokens_per_s_n", "tokens_per_s_low", "ratio_to_allreduce_pairing", "compute_utilisation"} <= set(compared)
     runs = pd.read_csv(tmp_path / "t" / "runs.csv")
     assert len(runs) == 7 and {"compute_utilisation", "compute_ceiling_tokens_per_s"} <= set(runs)
-    given = CliRunner().invoke(main, ["report", str(results), "--target-loss", "4.25"])
+    given = CliRunner().invoke(main, ["report", str(sweep_results), "--target-loss", "4.25"])
     assert given.exit_code == 0 and "Target validation loss: 4.250 (--target-loss)." in given.output
     assert (tmp_path / "t" / "events.csv").is_file()
-    failed = CliRunner().invoke(main, ["report", str(results), "--parquet", str(tmp_path / "c.parquet")])
+    failed = CliRunner().invoke(main, ["report", str(sweep_results), "--parquet", str(tmp_path / "c.parquet")])
     assert failed.exit_code == 2 and "neither is installed" in failed.output
 
 
@@ -305,18 +193,18 @@ def _straggler_runs(root, method: str, waits_by_seed: dict[int, list[float]]) ->
         (run / "summary.json").write_text(json.dumps(summary))
 
 
-def test_per_site_table_for_uneven_sites_only(results, tmp_path):
+def test_per_site_table_for_uneven_sites_only(sweep_results, tmp_path):
     root = tmp_path / "straggler"
     _straggler_runs(root, "allreduce", {0: [3.0, 3.0, 3.0, 1.0], 1: [5.0, 5.0, 5.0, 1.0], 2: [4.0, 4.0, 4.0, 1.0]})
-    tables = load_runs([root, results])
-    sites = report.site_comparison(tables)
-    # The 2-site groups on one rate (the `results` fixture) have no per-site rows.
+    tables = load_runs([root, sweep_results])
+    sites = site_comparison(tables)
+    # The 2-site groups on one rate (the `sweep_results` fixture) have no per-site rows.
     assert set(sites["profile"]) == {"straggler-1gbps-one-site-100mbps"}
     assert sites["cluster"].tolist() == [0, 1, 2, 3]
     assert sites["uplink_rate_bps"].tolist() == [1e9, 1e9, 1e9, 1e8]
     site0 = sites.iloc[0]
     assert site0["waited_s"] == pytest.approx(4.0) and site0["waited_s_n"] == 3
-    half = report.t_quantile_975(2) * 1.0 / math.sqrt(3)  # values 3, 5, 4: sample std 1
+    half = t_quantile_975(2) * 1.0 / math.sqrt(3)  # values 3, 5, 4: sample std 1
     assert (site0["waited_s_low"], site0["waited_s_high"]) == pytest.approx((4.0 - half, 4.0 + half))
     text = markdown(comparison(tables), tables.runs, sites)
     section = text[text.index("### straggler-1gbps-one-site-100mbps") :]
@@ -328,3 +216,27 @@ def test_per_site_table_for_uneven_sites_only(results, tmp_path):
     out = CliRunner().invoke(main, ["report", str(root), "--tables", str(tmp_path / "t")])
     assert out.exit_code == 0 and "Per site:" in out.output, out.output
     assert len(pd.read_csv(tmp_path / "t" / "sites.csv")) == 12
+
+
+def _harness(*args: object) -> subprocess.CompletedProcess:
+    """The installed command line, as a user runs it: its exit status and its two streams."""
+    command = [sys.executable, "-m", "harness.cli", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_cli_names_an_unreadable_run_folder_in_one_line(sweep_results):
+    bad = sweep_results / "runs" / "ar-s0" / "summary.json"
+    why = damage(bad, "list-shaped")
+    out = _harness("report", bad.parent)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.splitlines() == [f"error: {bad}: {why}; run it again (resuming its sweep redoes it) or remove "
+                                       "its run folder"]  # fmt: skip
+
+
+def test_cli_reports_the_readable_runs_and_exits_1_naming_the_unreadable_one(sweep_results):
+    bad = sweep_results / "runs" / "dl-s1" / "summary.json"
+    why = damage(bad, "truncated")
+    out = _harness("report", sweep_results)
+    assert "| allreduce" in out.stdout and "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1].startswith(f"skipped 1 unreadable run: {bad}: {why}")
+    assert out.returncode == 1

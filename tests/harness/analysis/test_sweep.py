@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 
 import pandas as pd
 import pytest
@@ -11,8 +13,9 @@ from click.testing import CliRunner
 
 from harness import cli
 from harness.analysis import regime as regime_module
+from harness.analysis.comparison import comparison
 from harness.analysis.regime import TARGETS, Regime, regime_profile
-from harness.analysis.report import comparison, load_runs, markdown
+from harness.analysis.report import markdown
 from harness.analysis.sweep import (
     SweepError,
     SweepInterrupted,
@@ -21,10 +24,13 @@ from harness.analysis.sweep import (
     parse_set,
     run_sweep,
 )
+from harness.analysis.tables import load_runs
 from harness.net.profiles import load_profile
 from harness.run import runner
+from harness.run.folder import RunFolder
+from harness.run.lock import RunLock
 from harness.userns import user_namespaces_work
-from tests.harness.fakeruns import write_run
+from tests.harness.fakeruns import damage, write_run
 
 
 def test_set_values_are_parsed_and_method_options_go_only_where_they_apply():
@@ -79,6 +85,21 @@ def test_settings_are_routed_by_name_and_checked_before_anything_runs():
         SweepSpec(("allreduce",), ("1gbps",), (0,), per_method={"allreduce": {"local_steps": 3}}).validate()
 
 
+def test_a_sweep_whose_delay_line_cannot_open_tun_is_refused_before_it_starts(monkeypatch):
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if os.fspath(path) == "/dev/net/tun":
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(runner, "probe_qdiscs", lambda userns: {"tbf": True, "netem": False})
+    spec = SweepSpec(("allreduce",), ("wan-1gbps-40ms-rtt",), (0,), settings={"steps": 20})
+    with pytest.raises(SweepError, match="allreduce-wan-1gbps-40ms-rtt-s0: the userspace delay line needs to open"):
+        spec.validate()
+
+
 @pytest.fixture
 def fake_runner(monkeypatch):
     """harness.run.runner.run replaced by one that writes a finished fake run (or fails as told); records its calls."""
@@ -120,13 +141,24 @@ def test_resume_skips_finished_runs_and_redoes_interrupted_and_failed_ones(tmp_p
     assert len(calls) == 4
 
 
+@pytest.mark.parametrize("how", ["truncated", "binary", "list-shaped"])
+def test_a_run_whose_summary_is_damaged_is_run_again(tmp_path, fake_runner, how):
+    calls, _ = fake_runner
+    spec = SweepSpec(("allreduce", "local"), ("1gbps",), (0,), settings={"steps": 20})
+    run_sweep(spec, tmp_path / "sweep")
+    damage(tmp_path / "sweep" / "runs" / "local-1gbps-s0" / "summary.json", how)
+    calls.clear()
+    rows = run_sweep(spec, tmp_path / "sweep")
+    assert calls == ["local-1gbps-s0"] and [r.skipped for r in rows] == [True, False]
+
+
 def test_sweep_json_holds_the_command_that_makes_the_sweep(tmp_path, fake_runner, monkeypatch):
     spec = SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 20})
     run_sweep(spec, tmp_path / "api")
     assert json.loads((tmp_path / "api" / "sweep.json").read_text()) == {"settings": {"steps": 20, "per_method": {}},
                                                                           "command": None}  # fmt: skip
     # From the command line: the exact command, quoted so it can be pasted back.
-    monkeypatch.setattr(cli, "_reexec_if_unprivileged", lambda: None)
+    monkeypatch.setattr("harness.cli.sweep.reexec_if_unprivileged", lambda: None)
     out = tmp_path / "my sweep"
     argv = ["sweep", "--methods", "allreduce,local", "--profiles", "1gbps", "--steps", "20", "--out", str(out)]
     monkeypatch.setattr("sys.argv", ["/usr/bin/harness", *argv])
@@ -144,6 +176,55 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner):
     assert [(r.status, r.failure) for r in rows] == [("failed", "cannot shape"), ("ok", None)]
     index = pd.read_csv(tmp_path / "index.csv")
     assert index.loc[0, "failure"] == "cannot shape" and pd.isna(index.loc[0, "path"])
+
+
+def test_a_second_sweep_into_the_same_folder_refuses_and_loses_nothing(tmp_path, fake_runner, monkeypatch):
+    """It once deleted the first sweep's live staging folder and ran the same combinations over it."""
+    calls, _ = fake_runner
+    fake = runner.run
+    spec = SweepSpec(("allreduce", "local"), ("1gbps",), (0,), settings={"steps": 20})
+    out = tmp_path / "sweep"
+    refusals: list[str] = []
+
+    def live_run(config, final, on_progress=None):
+        if not refusals:
+            # The first sweep's first run is live: its staging folder exists and its run lock is held.
+            staging = RunFolder(final).staging
+            staging.mkdir(parents=True)
+            config.save(staging / "config.json")
+            with RunLock(config.run_key, staging=staging):
+                with pytest.raises(SweepError) as err:
+                    run_sweep(spec, out)
+                refusals.append(str(err.value))
+                assert staging.is_dir()
+            shutil.rmtree(staging)
+        return fake(config, final, on_progress)
+
+    monkeypatch.setattr(runner, "run", live_run)
+    rows = run_sweep(spec, out)
+    assert refusals == [
+        f"sweep folder {out} is being written by another sweep (pid {os.getpid()}); wait for it or pass another --out"
+    ]
+    assert calls == ["allreduce-1gbps-s0", "local-1gbps-s0"]
+    assert [r.status for r in rows] == ["ok", "ok"]
+    index = pd.read_csv(out / "index.csv")
+    assert list(index["name"]) == ["allreduce-1gbps-s0", "local-1gbps-s0"] and list(index["status"]) == ["ok"] * 2
+    run_sweep(spec, out)  # the lock went with the first sweep
+    assert calls == ["allreduce-1gbps-s0", "local-1gbps-s0"]
+
+
+def test_a_staging_folder_whose_run_lives_is_left_alone(tmp_path, fake_runner):
+    calls, _ = fake_runner
+    spec = SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 20})
+    out = tmp_path / "sweep"
+    staging = out / "runs" / ".allreduce-1gbps-s0.partial"
+    staging.mkdir(parents=True)
+    config = spec.config(spec.combinations()[0])
+    config.save(staging / "config.json")
+    with RunLock(config.run_key, staging=staging):
+        (row,) = run_sweep(spec, out)
+    assert staging.is_dir() and calls == []
+    assert row.status == "failed" and f"{staging} is being written by a live run ({config.run_key})" in row.failure
 
 
 def test_an_interrupted_run_stops_the_sweep_and_other_settings_refuse_to_resume(tmp_path, monkeypatch):

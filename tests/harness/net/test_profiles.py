@@ -3,6 +3,7 @@ one-way/RTT/hop semantics of delay, jitter and loss, and the shipped profiles' R
 
 import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -132,12 +133,16 @@ def test_to_dict_round_trips():
         ("8kbit", 8_000),
         ("1Gbit", 10**9),
         (" 100mbit ", 10**8),
-        ("1tbit", 10**12),
+        ("0.03tbit", 3 * 10**10),
     ],
 )
 def test_parse_rate(text, bps):
     assert parse_rate_bps(text) == bps
     assert isinstance(parse_rate_bps(text), int)
+
+
+def test_a_rate_only_compared_may_exceed_what_tbf_holds():
+    assert parse_rate_bps("1tbit", tbf=False) == 10**12
 
 
 @pytest.mark.parametrize("text", ["0mbit", "7kbit", "0.001kbit"])
@@ -548,3 +553,70 @@ def test_profiles_table_rows():
         "+- 5 ms",
     )
     assert (rows["unshaped"]["rate"], rows["unshaped"]["rtt"], rows["unshaped"]["loss"]) == ("unshaped", "-", "-")
+
+
+# --- what tbf's netlink fields hold -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "link, message",
+    [
+        # The rate is a u32 of bytes/s (no 64-bit rate attribute is sent).
+        ("rate: 40gbit", "rate 40gbit is more than tbf's 32-bit rate field holds (34.4 Gbit/s); use at most 34359mbit"),
+        ("rate: 100gbit", "use at most 34359mbit"),
+        # The queue limit is a u32 of bytes: burst + rate x latency.
+        (
+            "rate: 10gbit\n  burst: 4090mb",
+            "more than tbf's 32-bit queue limit holds (4,294,967,295 bytes); use a latency of at most 5 ms",
+        ),
+        ("rate: 1gbit\n  latency: 1000s", "plus 1000000 ms of queue at 1 Gbit/s is 125,000,250,000 bytes"),
+        ("rate: 1gbit\n  latency: 1000s", "use a latency of at most 34357 ms"),
+        # The bucket becomes nanoseconds in a u32: at most 4.29 s of line time.
+        (
+            "rate: 1gbit\n  burst: 10gb",
+            "longer than the 4.29 s the kernel's tbf bucket holds (32 bits of "
+            "nanoseconds); use a burst of at most 524288kb at this rate",
+        ),
+        ("rate: 10mbit\n  burst: 10mb", "longer than the 4.29 s the kernel's tbf bucket holds"),
+    ],
+)
+def test_numbers_too_large_for_tbfs_fields_are_refused(tmp_path, link, message):
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        load_profile(write(tmp_path, f"inter_cluster:\n  {link}\n"))
+
+
+def test_a_rate_above_tbfs_field_is_refused_whatever_the_ceiling_says(tmp_path, monkeypatch):
+    monkeypatch.setenv("HARNESS_MAX_RATE", "100gbit")
+    assert max_shapeable_rate_bps() == 100e9  # the ceiling is a statement about the machine, not a tbf rate
+    with pytest.raises(ProfileError, match="32-bit rate field"):
+        load_profile(write(tmp_path, "inter_cluster:\n  rate: 40gbit\n"))
+
+
+def test_the_largest_values_tbf_holds_are_accepted_and_encode(tmp_path):
+    """What validation lets through, pyroute2's tbf encoder packs (it raised struct.error above the fields)."""
+    from pyroute2.netlink.rtnl.tcmsg import sched_tbf
+
+    from harness.net.link import MAX_TBF_RATE_BPS, max_burst_bytes
+    from harness.net.shaping import _tbf_kwargs
+
+    edge = [
+        LinkSpec(rate_bps=MAX_TBF_RATE_BPS, latency_ms=0.0),
+        LinkSpec(rate_bps=10**7, burst_bytes=max_burst_bytes(10**7)),
+        LinkSpec(rate_bps=8_000),  # the default bucket is cut to what the kernel holds at the slowest rate
+        load_profile(write(tmp_path, "inter_cluster:\n  rate: 1gbit\n  latency: 34357ms\n")).inter_cluster,
+    ]
+    for spec in edge:
+        parms = sched_tbf.get_parameters(_tbf_kwargs(spec))["attrs"][0][1]
+        msg = sched_tbf.options.tbf_parms()
+        msg.update(parms)
+        msg.encode()
+        assert parms["buffer"] * 64 <= 2**32 - 1, spec  # the kernel's nanoseconds (PSCHED_TICKS2NS)
+    with pytest.raises(ProfileError, match="4.29 s"):
+        LinkSpec(rate_bps=10**7, burst_bytes=max_burst_bytes(10**7) + 1)
+
+
+def test_a_binary_profile_file_is_not_a_traceback(tmp_path):
+    path = tmp_path / "blob.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ProfileError, match=re.escape(f"profile {path} is not a text file")):
+        load_profile(str(path))

@@ -88,3 +88,20 @@ def test_sites_survive_a_runs_config_json(tmp_path):
     config = RunConfig.build("allreduce", "straggler-1gbps-one-site-100mbps", clusters=4)
     config.save(tmp_path / "config.json")
     assert RunConfig.load(tmp_path / "config.json").profile == config.profile
+
+
+@pytest.mark.parametrize("key", ["true", "false", "yes"])
+def test_a_site_named_by_a_yaml_boolean_is_refused(tmp_path, key):
+    """YAML reads `true:` as a bool, which is an int to Python: the workers then crashed on int('True')."""
+    with pytest.raises(ProfileError, match="must map site numbers"):
+        load_profile(write(tmp_path, f"inter_cluster: {{rate: 1gbit}}\nsites:\n  {key}: {{rate: 10mbit}}\n"))
+
+
+def test_a_sites_delay_is_checked_and_reported_at_its_own_value(tmp_path):
+    """A site's LinkSpec holds path figures (twice its hop); its checks speak of what the site wrote."""
+    p = load_profile(write(tmp_path, "inter_cluster: {rate: 1gbit, delay: 20ms}\nsites:\n  1: {delay: 1500ms}\n"))
+    assert p.uplink(1).hop_delay_ms == 1500
+    with pytest.raises(ProfileError, match=re.escape("delay 2500 ms is above 2000 ms one-way")):
+        load_profile(write(tmp_path, "inter_cluster: {rate: 1gbit}\nsites:\n  1: {delay: 2500ms}\n"))
+    with pytest.raises(ProfileError, match=re.escape("jitter 20 ms is larger than the delay 10 ms")):
+        load_profile(write(tmp_path, "inter_cluster: {rate: 1gbit}\nsites:\n  1: {delay: 10ms, jitter: 20ms}\n"))

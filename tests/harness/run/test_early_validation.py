@@ -8,9 +8,14 @@ instead of building a cluster.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +34,7 @@ from tests.harness.refusal import (
     assert_started,
 )
 from trainers.config import OptimConfig, TrainConfig
+from trainers.registry import method_options
 
 SEQ_LEN = 64  # passed explicitly, so data sizes below do not depend on the default model's context
 
@@ -257,6 +263,69 @@ def test_a_long_profile_name_is_fine_with_out(harness_cli, tmp_path):
     assert after == before
 
 
+# --- the userspace delay line's TUN device ----------------------------------------------------------------------
+
+TUN = "/dev/net/tun"
+NO_NETEM = {"tbf": True, "htb": True, "netem": False, "ifb": False}
+TUN_REFUSAL = [
+    f"the userspace delay line needs to open {TUN} read-write",
+    "run as root, give this user access to it (e.g. chmod 0666 /dev/net/tun, as most distributions ship it)",
+    "or use a kernel with sch_netem",
+]
+
+
+def test_a_tun_device_this_user_cannot_open_is_refused_before_anything_is_built(harness_cli, monkeypatch):
+    """/dev/net/tun existed, so the run built its cluster and then failed: its delay line could not open it."""
+    real_open = os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if os.fspath(path) == TUN:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(runner, "probe_qdiscs", lambda userns: NO_NETEM)
+    result, before, after = harness_cli(["run", "--profile", "wan-1gbps-40ms-rtt", "--out", "o"])
+    assert_refused(result, before, after, TUN_REFUSAL)
+
+
+def test_a_tun_device_this_user_can_open_is_accepted(harness_cli, monkeypatch):
+    if not os.access(TUN, os.R_OK | os.W_OK):
+        pytest.skip(f"this user cannot open {TUN}")
+    monkeypatch.setattr(runner, "probe_qdiscs", lambda userns: NO_NETEM)
+    result, before, after = harness_cli(["run", "--profile", "wan-1gbps-40ms-rtt", "--out", "o"])
+    assert_started(result)
+    assert after == before
+
+
+def test_a_real_user_who_cannot_open_tun_is_refused_before_the_cluster_is_built(tmp_path):
+    """As user nobody, on a machine whose /dev/net/tun is root's alone (0600): exit 2, one line, nothing made."""
+    if os.geteuid() != 0 or not os.path.exists(TUN) or os.stat(TUN).st_mode & 0o006 == 0o006:
+        pytest.skip(f"needs root (to become nobody) and a {TUN} that other users cannot open")
+    repo = Path(cli.__file__).resolve().parents[2]
+    site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"))
+    python = "/usr/bin/python3"  # the tests' own interpreter may live where nobody cannot read (/root/.pyenv)
+    home = Path(tempfile.mkdtemp(prefix="harness-nobody-", dir="/tmp"))
+    try:
+        home.chmod(0o777)
+        env = {"PATH": os.environ["PATH"], "HOME": str(home), "PYTHONPATH": f"{repo}:{site}", "COLUMNS": "300"}
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-m", "harness.cli"]
+        probe = subprocess.run([*nobody, "--help"], capture_output=True, text=True, cwd=home, env=env, timeout=60)
+        if probe.returncode != 0:
+            pytest.skip(f"user nobody cannot run the harness with {python}: {probe.stderr.strip()[-200:]}")
+        args = ["run", "--profile", "wan-1gbps-40ms-rtt", "--link-emulator", "userspace", "--steps", "5",
+                "--model", "tiny", "--out", str(home / "o")]  # fmt: skip
+        result = subprocess.run([*nobody, *args], capture_output=True, text=True, cwd=home, env=env, timeout=120)
+        text = " ".join((result.stdout + result.stderr).split())
+        assert result.returncode == 2, text
+        assert "Traceback" not in text
+        for expected in TUN_REFUSAL:
+            assert expected in text, text
+        assert not (home / "o").exists() and not list(home.glob(".o*"))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 # --- floats -------------------------------------------------------------------------------------------------------
 
 
@@ -264,7 +333,7 @@ def float_options() -> list[tuple[str, str]]:
     """(method, flag) for every float option of every method's config."""
     return [
         (method, "--" + name.replace("_", "-"))
-        for name, (kind, defaults, _) in sorted(cli._method_options().items())
+        for name, (kind, defaults, _) in sorted(method_options().items())
         if kind is float or kind == "float"
         for method in sorted(defaults)
     ]

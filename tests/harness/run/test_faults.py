@@ -4,10 +4,13 @@ its seconds (and at teardown), each one logged."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
+from harness.net.link import LinkSpec
+from harness.run.config import RunConfig
 from harness.run.faults import Fault, FaultError, FaultInjector, check_faults, parse_fault
 
 
@@ -99,3 +102,57 @@ def test_teardown_restores_an_outage_still_in_progress(tmp_path):
     injector.restore()
     injector.restore()  # idempotent: teardown may call it when nothing is down
     assert cluster.calls == [("up", False), ("up", True)]
+
+
+# --- rates the link can really be given -------------------------------------------------------------------------
+
+
+def test_a_fault_rate_above_tbfs_field_is_refused_when_parsed():
+    with pytest.raises(FaultError, match=r"rate:5:100gbit.*32-bit rate field.*use at most 34359mbit"):
+        parse_fault("rate:5:100gbit")
+
+
+def test_a_fault_rate_is_held_to_the_machines_ceiling_like_a_profiles(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("HARNESS_MAX_RATE", raising=False)
+    fault = parse_fault("rate:5:20gbit")
+    with pytest.raises(FaultError, match=r"--fault rate asks for 20 Gbit/s, more than this machine can shape"):
+        check_faults((fault,), steps=100, world_size=4, backend="netns", link_rate_bps=10**9)
+    check_faults((parse_fault("rate:5:2gbit"),), steps=100, world_size=4, backend="netns", link_rate_bps=10**9)
+
+
+def test_a_fault_rate_is_checked_with_the_links_queue_bound(monkeypatch):
+    """The new rate keeps the link's latency: 30 s of queue is fine at 1 Gbit/s, 37.5 GB at 10 Gbit/s is not."""
+    monkeypatch.setenv("HARNESS_MAX_RATE", "30gbit")
+    link = LinkSpec(rate_bps=10**9, latency_ms=30_000)
+    with pytest.raises(FaultError, match=r"--fault rate at step 5: .*32-bit queue limit"):
+        check_faults((parse_fault("rate:5:10gbit"),), 100, 4, "netns", link.rate_bps, link=link)
+
+
+# --- an outage longer than the collective timeout ----------------------------------------------------------------
+
+
+def test_an_outage_as_long_as_the_collective_timeout_is_warned_about():
+    config = RunConfig.build("allreduce", "1gbps", steps=20, faults=("link-down:5:60",), collective_timeout_s=30)
+    config.validate()
+    (warning,) = [w for w in config.warnings() if "link-down" in w]
+    assert "--fault link-down:5:60 keeps the link down for 60 s" in warning
+    assert "collective timeout (30 s" in warning and "HARNESS_TIMEOUT_S" in warning
+    config = RunConfig.build("allreduce", "1gbps", steps=20, faults=("link-down:5:10",), collective_timeout_s=30)
+    assert not [w for w in config.warnings() if "link-down" in w]
+
+
+def test_a_failure_during_or_just_after_an_outage_names_it(tmp_path):
+    """The watchdog blamed rank 0 by tie-break when every rank waited on a dead link; the outage is the cause."""
+    injector = FaultInjector((Fault("link-down", 3, seconds=0.3),), FakeCluster(), None, tmp_path / "f.jsonl")
+    assert injector.outage_note(timeout_s=5) is None
+    injector.poll(4)
+    assert injector.outage_note(timeout_s=5) == (
+        "during the injected link-down of 0.3 s at step 4, with a collective timeout of 5 s"
+    )
+    time.sleep(0.35)
+    injector.poll(5)
+    note = injector.outage_note(timeout_s=5)
+    assert note.endswith("s after the injected link-down of 0.3 s at step 4 ended, with a collective timeout of 5 s")
+    time.sleep(0.05)
+    assert injector.outage_note(timeout_s=0.01) is None  # over for longer than a collective waits: not the cause

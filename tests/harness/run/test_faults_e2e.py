@@ -65,3 +65,21 @@ def test_a_killed_rank_fails_allreduce_naming_it_and_the_fault(tmp_path):
     (kill,) = summary["faults"]
     assert kill["fault"] == "kill" and kill["rank"] == 1 and kill["injected_at_step"] >= 8
     assert leftovers(before, run_marker(out)) == {}
+
+
+def test_an_outage_longer_than_the_collective_timeout_is_warned_about_and_named_in_the_failure(tmp_path):
+    """Every rank waits on the dead link alike: the watchdog blamed rank 0 by tie-break, naming no outage."""
+    before = snapshot()
+    out = tmp_path / "run"
+    result = harness(
+        "run", "--profile", "100mbps", "--method", "allreduce", "--steps", 200, *SMALL_RUN,
+        "--fault", "link-down:3:40", "--out", out, env={"HARNESS_TIMEOUT_S": "15", "COLUMNS": "300"},
+    )  # fmt: skip
+    assert result.returncode != 0
+    text = " ".join((result.stdout + result.stderr).split())
+    assert "--fault link-down:3:40 keeps the link down for 40 s, not less than the collective timeout (15 s" in text
+    summary = summary_of(out)
+    assert summary["status"] == "failed"
+    assert "(during the injected link-down of 40 s at step " in summary["failure"], summary["failure"]
+    assert "with a collective timeout of 15 s)" in summary["failure"]
+    assert leftovers(before, run_marker(out)) == {}

@@ -40,10 +40,11 @@ def run_key_of(out: Path) -> str:
 
 
 def test_a_stopped_worker_fails_the_run_within_the_deadline_naming_it(tmp_path):
-    """SIGSTOP: no collective timeout fires; the watchdog does, after max(collective timeout, 10 x slowest step)."""
+    """SIGSTOP: no collective timeout fires, and /proc shows the stopped state at once: the run fails within seconds,
+    not after the 300 s watchdog."""
     before = snapshot()
     out = tmp_path / "run"
-    proc = start(out, env={"HARNESS_TIMEOUT_S": "8"})
+    proc = start(out, env={"HARNESS_TIMEOUT_S": "300"})
     wait_for_steps(out, 1, 3, proc)
     stopped_at = time.monotonic()
     os.kill(rank_pid(out, 1), signal.SIGSTOP)
@@ -53,7 +54,7 @@ def test_a_stopped_worker_fails_the_run_within_the_deadline_naming_it(tmp_path):
     summary = summary_of(out)
     assert summary["failure"].startswith("rank 1 (cluster 1, stage 0) made no progress for"), summary["failure"]
     assert "its process is stopped" in summary["failure"]
-    assert elapsed < 8 + 30, elapsed  # the deadline (8 s here: steps are ~0.1 s) plus teardown
+    assert elapsed < 30, elapsed
     assert leftovers(before, run_marker(out)) == {}
 
 

@@ -1,0 +1,386 @@
+"""A CI-gate baseline file (harness/analysis/gate.py's module doc gives its format and what each metric means): its
+model (metrics, bands, checks), reading and validating one, the runs it needs, and the finished runs it is held
+against, read through harness/run/folder.py.
+
+Below both of its users: harness/analysis/gate.py checks runs against a baseline, harness/analysis/baseline.py
+derives one from repeats and writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.analysis.sweep import SweepError, SweepSpec, check_keys, profile_name
+from harness.errors import UserError, read_yaml
+from harness.net.link import ProfileError
+from harness.net.profiles import known_profiles, load_profile
+from harness.run.config import check_method_options
+from harness.run.folder import RunPaths, find_run_dirs, read_config, read_environment, read_summary
+from trainers.registry import METHODS
+
+BASELINE = "allreduce"
+CEILING = "local"
+DEFAULT_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    floor: float  # the smallest tolerance `harness baseline` writes (gate.py's module doc)
+    most: float  # a tolerance at or above this gates nothing useful: `harness baseline` refuses it
+    what: str  # why `most` matters, for the refusal
+    relative_to: str | None = None  # tokens/s over this method's (the same profile's runs)
+    upper_only: bool = False
+    summary_key: str = "tokens_per_s"
+
+
+METRICS: dict[str, Metric] = {
+    m.name: m
+    for m in (
+        Metric("utilisation", 0.35, 1.0, "could not catch a halving of its throughput", relative_to=CEILING),
+        Metric("ratio", 0.9, math.inf, "", relative_to=BASELINE),
+        Metric("wire_bytes_per_token", 0.1, 1.0, "could not catch twice the bytes", summary_key="wire_bytes_per_token"),
+        Metric(
+            "final_val_loss",
+            0.02,
+            0.1,
+            "could not catch a loss 10% higher",
+            upper_only=True,
+            summary_key="final_val_loss",
+        ),
+    )
+}
+BAND_KEYS = ("reference", "spread", "tolerance")
+CHECK_KEYS = ("method", "profile")
+TOP_KEYS = ("run", "checks")
+RUN_KEYS = ("seed", "repeats", "methods")  # run: keys that are not sweep settings
+# The order in which a mismatch is named: what a reader most likely changed first.
+MISMATCH_ORDER = ("steps", "seed", "model", "clusters", "stages", "batch_size", "seq_len", "eval_every")
+# Settings with their own `harness sweep` flag (the rest go through --set KEY=VALUE).
+SWEEP_FLAGS = frozenset(
+    {"model", "steps", "batch_size", "seq_len", "eval_every", "throughput_warmup_steps", "microbatches",
+     "pipeline_schedule", "lr", "data", "clusters", "stages", "backend"}
+)  # fmt: skip
+
+
+class BaselineError(UserError):
+    """A baseline file that cannot be checked or written; the message is one sentence naming the fix."""
+
+
+@dataclass(frozen=True)
+class Band:
+    metric: str
+    reference: float
+    spread: float  # relative spread of the repeats the band was derived from
+    tolerance: float
+
+    @property
+    def lower(self) -> float | None:
+        return None if METRICS[self.metric].upper_only else self.reference / (1 + self.tolerance)
+
+    @property
+    def upper(self) -> float:
+        return self.reference * (1 + self.tolerance)
+
+    def holds(self, value: float) -> bool:
+        return (self.lower is None or value >= self.lower) and value <= self.upper
+
+
+@dataclass(frozen=True)
+class MethodCheck:
+    method: str
+    profile: str  # a profile name, or the resolved path of a profile YAML
+    bands: tuple[Band, ...]
+
+    @property
+    def profile_name(self) -> str:
+        return profile_name(self.profile)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    checks: tuple[MethodCheck, ...]
+    settings: Mapping[str, Any] = field(default_factory=dict)  # run:, without seed, repeats and methods
+    method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    seed: int = 0
+    repeats: int = DEFAULT_REPEATS
+
+
+# --- reading a baseline file -------------------------------------------------------------------------------------
+
+
+def _number(value: Any) -> float | None:
+    """A finite YAML number, or None; PyYAML reads '1e9' (no dot) as a string, which a person surely meant as one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, int | float) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def _resolve_profile(value: Any, where: str, folder: Path) -> str:
+    if not isinstance(value, str) or not value:
+        raise BaselineError(f"{where}: profile must be a profile name or a path to a profile YAML, got {value!r}")
+    if value.endswith((".yaml", ".yml")) or "/" in value:
+        path = folder / value
+        try:
+            load_profile(str(path))
+        except ProfileError as err:
+            raise BaselineError(f"{where}: {err}") from None
+        return str(path)
+    if value not in known_profiles():
+        raise BaselineError(f"{where}: unknown profile {value!r}; known: {', '.join(known_profiles())}")
+    return value
+
+
+def _band(metric: str, entry: Any, where: str) -> Band:
+    where = f"{where}: {metric}"
+    if not isinstance(entry, dict) or sorted(entry) != sorted(BAND_KEYS):
+        raise BaselineError(f"{where} must be a mapping of exactly {', '.join(BAND_KEYS)}, got {entry!r}")
+    reference, spread, tolerance = (_number(entry[k]) for k in BAND_KEYS)
+    if reference is None or reference <= 0:
+        raise BaselineError(f"{where}: reference must be a positive number, got {entry['reference']!r}")
+    if spread is None or spread < 0:
+        raise BaselineError(f"{where}: spread must be a number of at least 0, got {entry['spread']!r}")
+    if tolerance is None or tolerance < 0:
+        raise BaselineError(f"{where}: tolerance must be a number of at least 0, got {entry['tolerance']!r}")
+    return Band(metric, reference, spread, tolerance)
+
+
+def _require_keys(entry: dict, required: Sequence[str], allowed: Sequence[str], where: str) -> None:
+    """Every key of `required` and none outside `allowed`; `where` names the mapping in the error."""
+    missing = [k for k in required if k not in entry]
+    unknown = sorted(set(entry) - set(allowed))
+    if missing or unknown:
+        problem = f"lacks {', '.join(missing)}" if missing else f"has unknown key(s) {', '.join(unknown)}"
+        raise BaselineError(f"{where} {problem}; allowed keys: {', '.join(allowed)}")
+
+
+def _check(entry: Any, index: int, folder: Path) -> MethodCheck:
+    where = f"checks[{index}]"
+    allowed = (*CHECK_KEYS, *METRICS)
+    if not isinstance(entry, dict):
+        raise BaselineError(f"{where} must be a mapping with method, profile and metric bands ({', '.join(METRICS)})")
+    _require_keys(entry, CHECK_KEYS, allowed, where)
+    if entry["method"] not in METHODS:
+        raise BaselineError(f"{where}: unknown method {entry['method']!r}; known methods: {', '.join(METHODS)}")
+    bands = tuple(_band(metric, entry[metric], where) for metric in METRICS if metric in entry)
+    if not bands:
+        raise BaselineError(f"{where} ({entry['method']}) has no band; give it at least one of {', '.join(METRICS)}")
+    return MethodCheck(entry["method"], _resolve_profile(entry["profile"], where, folder), bands)
+
+
+def _run_section(run: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]], int, int]:
+    if not isinstance(run, dict):
+        raise BaselineError(f"run must be a mapping of run settings, got {type(run).__name__}")
+    settings = {k: v for k, v in run.items() if k not in RUN_KEYS}
+    try:
+        check_keys(list(settings))
+    except SweepError as err:
+        raise BaselineError(f"run: {err}") from None
+    if "steps" not in settings:
+        raise BaselineError("run: lacks steps; a baseline's bands hold at one step count, so name it (steps: 40)")
+    seed = run.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise BaselineError(f"run: seed must be an integer, got {seed!r}")
+    repeats = run.get("repeats", DEFAULT_REPEATS)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise BaselineError(f"run: repeats must be a positive integer, got {repeats!r}")
+    methods = run.get("methods") or {}
+    if not isinstance(methods, dict):
+        raise BaselineError("run: methods must map a method name to a mapping of its options")
+    for name, options in methods.items():
+        if not isinstance(options, dict):
+            raise BaselineError(f"run: methods: {name} must map option names to values, got {options!r}")
+        try:
+            check_method_options(name, options)
+        except UserError as err:
+            raise BaselineError(f"run: methods: {err}") from None
+    return settings, methods, seed, repeats
+
+
+def load_baseline(path: Path) -> Baseline:
+    """Read and validate a baseline file; every problem is a BaselineError with one clear sentence."""
+    data = read_yaml(path, "baseline file", BaselineError)
+    if not isinstance(data, dict):
+        raise BaselineError(f"baseline file {path} must be a YAML mapping with keys {' and '.join(TOP_KEYS)}")
+    if "ratios" in data or "tolerance" in data:
+        raise BaselineError(
+            f"baseline file {path} is in the old one-sided format (tolerance, ratios); write a two-sided one "
+            "with `harness baseline RESULTS --out FILE` from a folder of repeats"
+        )
+    _require_keys(data, TOP_KEYS, TOP_KEYS, f"baseline file {path}")
+    settings, methods, seed, repeats = _run_section(data["run"])
+    entries = data["checks"]
+    if not isinstance(entries, list) or not entries:
+        raise BaselineError("checks must be a non-empty list of {method, profile, <metric>: {reference, ...}}")
+    checks = tuple(_check(entry, i, path.parent) for i, entry in enumerate(entries))
+    seen: set[tuple[str, str]] = set()
+    for check in checks:
+        key = (check.method, check.profile_name)
+        if key in seen:
+            raise BaselineError(f"checks name {check.method} on {check.profile_name} twice; merge the two entries")
+        seen.add(key)
+    return Baseline(checks, settings, methods, seed, repeats)
+
+
+# --- running what a baseline needs -------------------------------------------------------------------------------
+
+
+def _needed_methods(checks: Sequence[MethodCheck]) -> list[str]:
+    """The checks' methods plus those their metrics divide by, allreduce and local first."""
+    wanted = [m for c in checks for m in (*(METRICS[b.metric].relative_to for b in c.bands), c.method) if m is not None]
+    order = {BASELINE: 0, CEILING: 1}
+    return sorted(dict.fromkeys(wanted), key=lambda m: order.get(m, 2))
+
+
+def _profiles(baseline: Baseline) -> dict[str, list[MethodCheck]]:
+    by_profile: dict[str, list[MethodCheck]] = {}
+    for check in baseline.checks:
+        by_profile.setdefault(check.profile, []).append(check)
+    return by_profile
+
+
+def needed_runs(baseline: Baseline, repeats: int | None = None) -> list[SweepSpec]:
+    """One sweep per profile over the methods its checks need, `repeats` runs each (default: the baseline's)."""
+    return [
+        SweepSpec(
+            methods=tuple(_needed_methods(checks)),
+            profiles=(profile,),
+            seeds=(baseline.seed,),
+            settings=baseline.settings,
+            per_method=baseline.method_options,
+            repeats=repeats or baseline.repeats,
+        )
+        for profile, checks in _profiles(baseline).items()
+    ]
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "none" if value is None else str(value)
+
+
+def sweep_command(baseline: Baseline, out: str) -> list[str]:
+    """The `harness sweep` command(s) that make the runs `harness check` would make, into `out` (forced: fresh)."""
+    commands = []
+    for profile, checks in _profiles(baseline).items():
+        shown = profile if profile in known_profiles() else os.path.relpath(profile)
+        words = ["harness", "sweep", "--methods", ",".join(_needed_methods(checks)), "--profiles", shown]
+        words += ["--seeds", str(baseline.seed), "--repeats", str(baseline.repeats)]
+        for key, value in baseline.settings.items():
+            if key in SWEEP_FLAGS:
+                words += [f"--{key.replace('_', '-')}", _flag_value(value)]
+            else:
+                words += ["--set", f"{key}={_flag_value(value)}"]
+        for method, options in baseline.method_options.items():
+            words += [w for k, v in options.items() for w in ("--method-set", f"{method}:{k}={_flag_value(v)}")]
+        words += ["--force", "--out", out]
+        commands.append(shlex.join(words))
+    return commands
+
+
+# --- reading runs ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """One finished run folder: its summary.json and config.json as written."""
+
+    path: str  # relative to the folder the user named
+    summary: Mapping[str, Any]
+    config: Mapping[str, Any]
+    environment: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def method(self) -> str:
+        return self.summary["method"]
+
+    @property
+    def profile(self) -> str:
+        return self.summary["profile"]
+
+    @property
+    def ok(self) -> bool:
+        return self.summary.get("status") == "ok"
+
+    def value(self, key: str) -> float | None:
+        value = self.summary.get(key)
+        return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+    def settings(self) -> dict[str, Any]:
+        return flat_settings(self.config, self.summary)
+
+    def options(self) -> dict[str, Any] | None:
+        return full_options(self.method, self.summary.get("method_options") or self.config.get("method_options") or {})
+
+
+def load_stored_runs(paths: Sequence[Path]) -> list[StoredRun]:
+    """Every finished run under `paths`; a file of one that cannot be read is an UnreadableResults naming it (a gate
+    must not pass on the runs that happen to be readable)."""
+    runs = []
+    for run_dir, relative in find_run_dirs(paths):
+        summary, files = read_summary(run_dir), RunPaths(run_dir)
+        config = read_config(run_dir) if files.config.is_file() else {}
+        environment = read_environment(run_dir) if files.environment.is_file() else {}
+        runs.append(StoredRun(relative, summary, config, environment))
+    return runs
+
+
+def flat_settings(config: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What a band depends on besides the method and its options: training settings (the optimizer's included),
+    seed and cluster shape, from a config.json or RunConfig.to_dict(); a summary fills in steps and seed."""
+    train = dict(config.get("train") or {})
+    optim = train.pop("optim", None) or {}
+    flat = {**optim, **train}
+    flat.update({k: config[k] for k in ("clusters", "stages", "backend") if k in config})
+    for key in ("steps", "seed"):
+        if key not in flat and summary and summary.get(key) is not None:
+            flat[key] = summary[key]
+    return json.loads(json.dumps(flat))  # tuples read back as lists, as from a file
+
+
+def full_options(method: str, options: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A method's options with its defaults filled in, so a default given explicitly is the same configuration;
+    None when the method no longer takes them."""
+    from trainers.registry import method_config
+
+    try:
+        return json.loads(json.dumps(dataclasses.asdict(method_config(method, dict(options))), default=str))
+    except (ValueError, TypeError):
+        return None
+
+
+def differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
+    keys = [k for k in want if k in have and want[k] != have[k]]
+    first = [k for k in MISMATCH_ORDER if k in keys]
+    return first + sorted(set(keys) - set(first))
+
+
+# --- printing ----------------------------------------------------------------------------------------------------
+
+
+def format_value(metric: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if metric == "ratio":
+        return f"{value:.3g}x"
+    if metric == "final_val_loss":
+        return f"{value:.3f}"
+    if metric == "utilisation":
+        return f"{value:.3f}"
+    return f"{value:,.4g}"

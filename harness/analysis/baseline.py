@@ -1,0 +1,345 @@
+"""`harness baseline`: a baseline file derived from a folder of repeats, and written with a header that says how to
+regenerate it. How a band is derived (reference, spread, tolerance = max(floor, K x spread)) and why those floors:
+harness/analysis/gate.py's module doc.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import statistics
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from harness.analysis.bands import (
+    BAND_KEYS,
+    BASELINE,
+    CEILING,
+    DEFAULT_REPEATS,
+    METRICS,
+    Band,
+    Baseline,
+    BaselineError,
+    MethodCheck,
+    StoredRun,
+    differences,
+    flat_settings,
+    format_value,
+    load_baseline,
+    load_stored_runs,
+    sweep_command,
+)
+from harness.analysis.report import markdown_table
+from harness.analysis.sweep import SweepError, check_keys
+from harness.net.profiles import known_profiles
+from harness.run.config import RunConfig
+
+TOLERANCE_K = 3.0
+MIN_REPEATS = 2
+# Settings `harness baseline` always writes into run: (others only where a run differs from the default).
+ALWAYS_WRITTEN = ("model", "steps", "batch_size", "eval_every", "clusters", "stages")
+
+
+def _spread(values: Sequence[float]) -> float:
+    median = statistics.median(values)
+    return (max(values) - min(values)) / abs(median) if median else 0.0
+
+
+def _round_up(value: float, places: int = 3) -> float:
+    return math.ceil(value * 10**places - 1e-9) / 10**places
+
+
+def _significant(value: float, digits: int) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+def derive_band(metric: str, reference: float, spreads: Sequence[float], where: str) -> Band:
+    """The band of one metric (gate.py's module doc): spread root-sum-squared over the sides, tolerance =
+    max(floor, K x it)."""
+    spec = METRICS[metric]
+    spread = math.sqrt(sum(s * s for s in spreads))
+    tolerance = _round_up(max(spec.floor, TOLERANCE_K * spread))
+    if tolerance >= spec.most:
+        raise BaselineError(
+            f"{where}: {metric} varied by {spread:.0%} over the repeats, so its band (x{1 + tolerance:.2f} either "
+            f"way) {spec.what}; measure the repeats again on a quieter machine"
+        )
+    return Band(metric, _significant(reference, 4), _significant(spread, 3), tolerance)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A baseline derived from repeats, with what its file's comments say about them."""
+
+    baseline: Baseline
+    medians: Mapping[tuple[str, str], Mapping[str, float | None]]  # (method, profile) -> metric -> median
+    runs: Mapping[tuple[str, str], int]
+    results: str  # the folder, as the user named it
+    machine: str = ""  # where the runs were measured, from their environment.json
+
+
+def _one_configuration(runs: Sequence[StoredRun], results: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The settings every run shares and each method's options; refuses runs of several configurations."""
+    first = runs[0]
+    settings = first.settings()
+    options: dict[str, tuple[StoredRun, dict[str, Any] | None]] = {}
+    for run in runs:
+        differing = differences(settings, run.settings())
+        if differing:
+            key = differing[0]
+            raise BaselineError(
+                f"{results} mixes runs made with different settings ({first.path} has {key}={settings[key]!r}, "
+                f"{run.path} {key}={run.settings()[key]!r}); derive a baseline from the repeats of one configuration "
+                "(one `harness sweep --repeats 3`)"
+            )
+        seen = options.setdefault(run.method, (run, run.options()))
+        if seen[1] != run.options():
+            raise BaselineError(
+                f"{results} holds {run.method} runs with different options ({seen[0].path}: "
+                f"{seen[0].summary.get('method_options')}, {run.path}: {run.summary.get('method_options')}); "
+                "derive a baseline from the repeats of one configuration per method"
+            )
+    given = {m: dict(r.summary.get("method_options") or {}) for m, (r, _) in options.items()}
+    return settings, {m: o for m, o in given.items() if o}
+
+
+def _run_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """run: settings: the usual ones always, the others where they differ from the defaults."""
+    defaults = flat_settings(RunConfig.build(BASELINE, "unshaped").to_dict())
+    written = {}
+    for key, value in settings.items():
+        if key == "seed" or key not in defaults:
+            continue
+        if key in ALWAYS_WRITTEN or value != defaults[key]:
+            written[key] = value
+    try:
+        check_keys(list(written))
+    except SweepError as err:
+        raise BaselineError(f"the runs differ from the defaults in a setting a sweep cannot set: {err}") from None
+    return {k: written[k] for k in (*ALWAYS_WRITTEN, *sorted(written)) if k in written}
+
+
+def _profile_for(run: StoredRun, results: str) -> str:
+    if run.profile in known_profiles():
+        return run.profile
+    source = (run.config.get("profile") or {}).get("source")
+    if source and Path(source).is_file():
+        return str(Path(source).resolve())
+    raise BaselineError(
+        f"{run.path} ran on profile {run.profile!r}, which is neither a known profile nor a file that still exists "
+        f"({source}); restore the profile file and derive the baseline from {results} again"
+    )
+
+
+def derive_baseline(results: Path) -> Derived:
+    """Two-sided bands from a folder of repeats (gate.py's module doc): every method's, on every profile the runs
+    used."""
+    where = str(results)
+    runs = load_stored_runs([results])
+    failed = [r for r in runs if not r.ok]
+    if failed:
+        raise BaselineError(
+            f"{len(failed)} run(s) in {where} failed ({failed[0].path}: {failed[0].summary.get('failure')}); run the "
+            "sweep again (it redoes only the failed runs) before deriving a baseline"
+        )
+    settings, method_options = _one_configuration(runs, where)
+    groups: dict[tuple[str, str], list[StoredRun]] = {}
+    for run in runs:
+        groups.setdefault((run.method, run.profile), []).append(run)
+    profiles = {run.profile: _profile_for(run, where) for run in runs}
+    for profile in profiles:
+        for needed in (BASELINE, CEILING):
+            if (needed, profile) not in groups:
+                raise BaselineError(
+                    f"{where} has no {needed} runs on {profile}; utilisation is tokens/s over local's and ratio "
+                    f"over allreduce's, so run {BASELINE} and {CEILING} too"
+                )
+    for (method, profile), group in groups.items():
+        if len(group) < MIN_REPEATS:
+            raise BaselineError(
+                f"{where} holds {len(group)} {method} run on {profile}; a baseline's tolerances come from the spread "
+                f"of repeats, so run the sweep with --repeats {DEFAULT_REPEATS}"
+            )
+
+    def values(method: str, profile: str, key: str) -> list[float]:
+        return [v for v in (r.value(key) for r in groups[(method, profile)]) if v is not None]
+
+    order = {BASELINE: 0, CEILING: 1}
+    checks, medians = [], {}
+    for method, profile in sorted(groups, key=lambda k: (k[1], order.get(k[0], 2), k[0])):
+        label = f"{method} on {profile}"
+        bands = []
+        tokens = values(method, profile, "tokens_per_s")
+        syncs = values(method, profile, "sync_count")
+        for name, metric in METRICS.items():
+            if name == "wire_bytes_per_token" and not (syncs and statistics.median(syncs) > 0):
+                continue  # a method that never synchronizes sends only connection set-up bytes
+            if metric.relative_to is not None:
+                if method in (BASELINE, CEILING):
+                    continue  # 1 by definition, or a measure of the machine's speed rather than of the method
+                divisor = values(metric.relative_to, profile, "tokens_per_s")
+                if not tokens or not divisor:
+                    continue
+                reference = statistics.median(tokens) / statistics.median(divisor)
+                bands.append(derive_band(name, reference, [_spread(tokens), _spread(divisor)], label))
+                continue
+            own = values(method, profile, metric.summary_key)
+            if own and statistics.median(own) > 0:
+                bands.append(derive_band(name, statistics.median(own), [_spread(own)], label))
+        if bands:
+            checks.append(MethodCheck(method, profiles[profile], tuple(bands)))
+        medians[(method, profile)] = {
+            key: statistics.median(v) if (v := values(method, profile, key)) else None
+            for key in ("tokens_per_s", "wire_bytes_per_token", "final_val_loss")
+        }
+    seed = settings.get("seed", 0)
+    repeats = min(len(g) for g in groups.values())
+    baseline = Baseline(tuple(checks), _run_settings(settings), method_options, seed, repeats)
+    counts = {key: len(group) for key, group in groups.items()}
+    return Derived(baseline, medians, counts, where, _machine(runs))
+
+
+def _machine(runs: Sequence[StoredRun]) -> str:
+    """Where the repeats ran (CPUs, kernel, torch, code version), as their environment.json files say."""
+    described = []
+    for run in runs:
+        env = run.environment
+        if not env:
+            continue
+        torch = (env.get("packages") or {}).get("torch")
+        commit = env.get("git_commit")
+        parts = [
+            f"{env['cpu_count']} CPUs" if env.get("cpu_count") else "",
+            f"{env['machine']}" if env.get("machine") else "",
+            f"kernel {env['kernel']}" if env.get("kernel") else "",
+            f"torch {torch}" if torch else "",
+            f"git {commit[:12]}{' (dirty)' if env.get('git_dirty') else ''}" if commit else "",
+        ]
+        text = ", ".join(p for p in parts if p)
+        if text and text not in described:
+            described.append(text)
+    return "; ".join(described)
+
+
+def _wrapped(commands: Sequence[str], width: int = 114) -> list[str]:
+    """Shell commands, chained with &&, as comment lines of at most `width` characters continued with backslashes;
+    a flag stays with its value."""
+    lines: list[str] = []
+    for index, command in enumerate(commands):
+        words = [shlex.quote(w) for w in shlex.split(command)]
+        groups: list[str] = []
+        for word in words:
+            if groups and groups[-1].startswith("--") and " " not in groups[-1] and not word.startswith("--"):
+                groups[-1] += " " + word
+            else:
+                groups.append(word)
+        line = "#   " + ("&& " if index else "")
+        for group in groups:
+            if len(line) + len(group) + 3 > width and line.strip("#& "):
+                lines.append(line.rstrip() + " \\")
+                line = "#       "
+            line += group + " "
+        lines.append(line.rstrip() + (" \\" if index < len(commands) - 1 else ""))
+    return lines
+
+
+def _flow(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).removesuffix("...\n").strip()
+
+
+def _shown_profile(profile: str, folder: Path) -> str:
+    return profile if profile in known_profiles() else os.path.relpath(profile, folder.resolve())
+
+
+def _band_comment(band: Band) -> str:
+    if band.lower is None:
+        return f"at most {format_value(band.metric, band.upper)}"
+    return f"{format_value(band.metric, band.lower)} to {format_value(band.metric, band.upper)}"
+
+
+def baseline_text(derived: Derived, out: Path) -> str:
+    """The baseline file: a header that says how to regenerate it and how its bands were derived, then the data."""
+    baseline = derived.baseline
+    commands = [*sweep_command(baseline, derived.results)]
+    commands.append(shlex.join(["harness", "baseline", derived.results, "--out", str(out)]))
+    floors = ", ".join(f"{m.name} {m.floor:g}" for m in METRICS.values())
+    lines = [
+        f"# The CI gate: `harness check --baseline {out}` (.ci/run runs it after the tests).",
+        f"# Written by `harness baseline` from the runs in {derived.results}. Regenerate it, runs and all, with:",
+        "#",
+        *_wrapped(commands),
+        "#",
+    ]
+    if derived.machine:
+        lines += [f"# The runs were measured on: {derived.machine}.", "#"]
+    lines += [
+        "# Each band: reference = the median over the repeats (utilisation: tokens/s over local's; ratio: over",
+        "# allreduce's; each a quotient of medians); spread = (max - min) / median over the repeats (for a quotient,",
+        f"# both sides' spreads root-sum-squared); tolerance = max(floor, {TOLERANCE_K:g} x spread), floors:",
+        f"# {floors}.",
+        "# A band holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance); final_val_loss",
+        "# has only the upper bound. Each line's comment shows its band. Why these floors and K = 3: the docstring",
+        "# of harness/analysis/gate.py.",
+        "run:",
+    ]
+    lines += [f"  {key}: {_flow(value)}" for key, value in baseline.settings.items()]
+    lines += [f"  seed: {baseline.seed}", f"  repeats: {baseline.repeats}"]
+    if baseline.method_options:
+        lines.append("  methods:")
+        lines += [f"    {m}: {_flow(dict(o))}" for m, o in baseline.method_options.items()]
+    lines.append("checks:")
+    for check in baseline.checks:
+        key = (check.method, check.profile_name)
+        median = derived.medians[key]
+        facts = [f"{derived.runs[key]} runs", f"median {median['tokens_per_s'] or 0:,.0f} tokens/s"]
+        lines.append(f"  # {check.method} on {check.profile_name}: {', '.join(facts)}")
+        lines.append(f"  - method: {check.method}")
+        lines.append(f"    profile: {_flow(_shown_profile(check.profile, out.parent))}")
+        width = max(len(b.metric) for b in check.bands) + 1
+        for band in check.bands:
+            data = _flow({k: getattr(band, k) for k in BAND_KEYS})
+            lines.append(f"    {(band.metric + ':').ljust(width)} {data}  # {_band_comment(band)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_baseline(results: Path, out: Path) -> Derived:
+    """Derive a baseline from `results` and write it to `out`, read back (and checked) before it replaces `out`."""
+    derived = derive_baseline(results)
+    text = baseline_text(derived, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        load_baseline(Path(tmp))
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return derived
+
+
+def bands_table(baseline: Baseline) -> str:
+    """What a baseline allows: each band's reference, spread, tolerance and bounds."""
+    header = ["method", "profile", "metric", "reference", "spread", "tolerance", "lower", "upper"]
+    rows = [
+        [
+            c.method,
+            c.profile_name,
+            b.metric,
+            format_value(b.metric, b.reference),
+            f"{b.spread:.3g}",
+            f"{b.tolerance:g}",
+            format_value(b.metric, b.lower),
+            format_value(b.metric, b.upper),
+        ]
+        for c in baseline.checks
+        for b in c.bands
+    ]
+    return markdown_table(header, rows, text_columns=3)

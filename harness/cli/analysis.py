@@ -1,0 +1,248 @@
+"""Commands that read results folders or predict without running: report, plot, project, and the CI gate (check,
+baseline)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from harness.cli.common import SweepProgress, errors, print_text, reexec_if_unprivileged
+from harness.cli.options import WithMethodOptions, clusters_option, method_option, profile_option
+from trainers.config import TrainConfig
+
+results_argument = click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+
+
+@click.command("report")
+@results_argument
+@click.option(
+    "--target-loss",
+    type=float,
+    help="Validation loss for the tokens/time-to-target columns [default: per group, allreduce's final "
+    "validation loss (mean over its runs) x 1.05; a group without allreduce needs this option, else those "
+    "columns are not computed]. A run that never gets there shows 'not reached'.",
+)
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Write the comparison as CSV.")
+@click.option("--parquet", "parquet_path", type=click.Path(path_type=Path), help="Write it as parquet (needs pyarrow).")
+@click.option(
+    "--tables", type=click.Path(path_type=Path), help="Write the tidy runs.csv, events.csv and sites.csv here."
+)
+def report(results, target_loss, csv_path, parquet_path, tables):
+    """Compare runs (run folders, sweep folders, or folders of them) as a markdown table per profile.
+
+    Per method: n (runs aggregated), then each figure as its mean ± the 95% interval (n >= 3), its range (n = 2), or
+    "n=1, no spread"; applied (and, where different, trained) tokens/s, ratios to allreduce and local (paired per
+    seed where both ran it), compute utilisation (tokens/s over the run's own compute ceiling), wire bytes, final
+    validation loss, and tokens and time to the target loss. Where sites differ in rate or there are more than two,
+    a per-site table follows: each site's wire bytes and the time its replica waited on the link.
+    """
+    from harness.analysis.comparison import comparison, site_comparison
+    from harness.analysis.report import markdown, write_csv, write_parquet, write_tables
+    from harness.analysis.tables import load_runs
+
+    loaded = load_runs(list(results))
+    compared = comparison(loaded, target_loss)
+    written = []
+    if csv_path:
+        written.append(write_csv(compared, csv_path))
+    if parquet_path:
+        written.append(write_parquet(compared, parquet_path))
+    if tables:
+        written += write_tables(loaded, tables)
+    click.echo(markdown(compared, loaded.runs, site_comparison(loaded)))
+    for path in written:
+        print_text(f"wrote {path}")
+    _exit_if_skipped(loaded)
+
+
+def _exit_if_skipped(loaded) -> None:
+    """A report over the readable runs stands, but an unreadable one must not pass unnoticed in a script: exit 1."""
+    from harness.analysis.tables import skipped_note
+
+    if loaded.skipped:
+        errors.print(skipped_note(loaded.skipped), markup=False, highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+@click.command("project", cls=WithMethodOptions)
+@method_option("dilocox")
+@click.option(
+    "--model", default="tiny", show_default=True, help="Any known model, e.g. tiny, small, opt-1.3b, qwen1.5-107b."
+)
+@profile_option
+@clusters_option()
+@click.option("--batch-size", type=int, help=f"Sequences per site per step [default: {TrainConfig.batch_size}].")
+@click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context].")
+@click.option(
+    "--compute-from",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Runs (folders of runs) of this method on this machine to measure compute from, scaled by FLOPs to the "
+    "model and batch (repeatable).",
+)
+@click.option("--compute-s", type=float, help="Seconds per step of compute, given.")
+@click.option("--accelerator-tflops", type=float, help="Peak TFLOP/s of one accelerator in the training dtype.")
+@click.option("--accelerators-per-site", type=int, help="Accelerators per site (with --accelerator-tflops).")
+@click.option("--mfu", type=float, help="Model FLOPs utilisation the accelerators reach (with --accelerator-tflops).")
+@click.option(
+    "--efficiency",
+    type=float,
+    default=None,
+    help="Payload share of the link rate TCP reaches [default: 0.94, measured by harness calibrate].",
+)
+@click.option("--window-bytes", type=int, help="Bytes TCP keeps in flight [default: 2/3 of tcp_wmem's maximum].")
+@click.option(
+    "--validate",
+    "validate_results",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Instead: predict every method and profile of these runs, with compute from --compute-from's runs of the "
+    "same settings (on an unshaped link), and print predicted vs measured (repeatable).",
+)
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="--validate: write the table as CSV.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the prediction (or table) as JSON.")
+def project(
+    method, model, profile, clusters, batch_size, seq_len, compute_from, compute_s, accelerator_tflops,
+    accelerators_per_site, mfu, efficiency, window_bytes, validate_results, csv_path, json_path, **options,
+):  # fmt: skip
+    """Predict tokens/s and wire bytes per token from measured compute, a link model and the method's schedule.
+
+    The model (harness/analysis/project.py): a step takes its compute plus the part of each exchange that the compute
+    beside it does not hide; an exchange's time is its bytes over min(efficiency x the slowest site's rate, TCP
+    window / RTT) plus a round trip per hand-over (gloo's all-reduce hands over two 1 MiB segments at a time).
+    Compute comes from --compute-from (this machine, scaled by FLOPs), --compute-s, or a target accelerator
+    (--accelerator-tflops, --accelerators-per-site, --mfu).
+    """
+    from harness.analysis import project as project_model
+
+    if validate_results:
+        if not compute_from:
+            raise click.UsageError("--validate needs --compute-from: runs of the same settings on an unshaped link")
+        _print_validation(project_model.validate(list(validate_results), list(compute_from)), csv_path, json_path)
+        return
+    accelerator = None
+    if accelerator_tflops is not None or accelerators_per_site is not None or mfu is not None:
+        if None in (accelerator_tflops, accelerators_per_site, mfu):
+            raise click.UsageError("--accelerator-tflops, --accelerators-per-site and --mfu go together")
+        accelerator = project_model.Accelerator(accelerator_tflops, accelerators_per_site, mfu)
+    settings = {"batch_size": batch_size, "seq_len": seq_len, **options}
+    prediction = project_model.project(
+        method, model, profile, clusters, settings, list(compute_from), compute_s, accelerator,
+        project_model.DEFAULT_EFFICIENCY if efficiency is None else efficiency, window_bytes,
+    )  # fmt: skip
+    for line in prediction.describe():
+        print_text(line)
+    print_text("assumptions: " + "; ".join(project_model.ASSUMPTIONS))
+    if json_path:
+        Path(json_path).write_text(json.dumps(prediction.record(), indent=2) + "\n")
+        print_text(f"wrote {json_path}")
+
+
+def _print_validation(rows: list[dict], csv_path: Path | None, json_path: Path | None) -> None:
+    """`project --validate`: predicted vs measured per model, profile and method, and the largest error."""
+    from harness.analysis import project as project_model
+    from harness.analysis.report import markdown_table
+
+    header = ["model", "profile", "method", "n", "measured tokens/s", "predicted", "error"]
+    cells = [
+        [r["model"], r["profile"], r["method"], str(r["n"]),
+         f"{r['measured_tokens_per_s']:,.0f} ({r['measured_min']:,.0f}-{r['measured_max']:,.0f})",
+         f"{r['predicted_tokens_per_s']:,.0f}", f"{r['error']:+.1%}"]
+        for r in rows
+    ]  # fmt: skip
+    click.echo(markdown_table(header, cells, text_columns=3))
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    within = sum(abs(r["error"]) <= project_model.VALIDATION_TOLERANCE for r in rows)
+    click.echo(
+        f"\n{within} of {len(rows)} within {project_model.VALIDATION_TOLERANCE:.0%}; largest error "
+        f"{worst['error']:+.1%} ({worst['method']} on {worst['profile']}, model {worst['model']})"
+    )
+    if csv_path:
+        import pandas as pd
+
+        from harness.analysis.report import write_csv
+
+        print_text(f"wrote {write_csv(pd.DataFrame(rows), csv_path)}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
+        print_text(f"wrote {json_path}")
+
+
+@click.command("plot")
+@results_argument
+@click.option("--out", type=click.Path(path_type=Path), help="Figure folder [default: RESULTS/figures].")
+def plot(results, out):
+    """Loss, throughput and step-time figures (PNG and SVG), one set per profile and model."""
+    from harness.analysis.plots import plot_all
+    from harness.analysis.tables import load_runs
+
+    loaded = load_runs(list(results))
+    written = plot_all(loaded, out or results[0] / "figures")
+    for path in written:
+        print_text(f"wrote {path}")
+    _exit_if_skipped(loaded)
+
+
+@click.command("check")
+@click.option("--baseline", required=True, type=click.Path(path_type=Path), help="Baseline YAML (the bands to hold).")
+@click.option(
+    "--results",
+    type=click.Path(exists=True, path_type=Path),
+    help="Read the runs from this folder instead of running them (they must be made with the baseline's run:).",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    help="Runs per method and profile; the median counts [default: the baseline's run: repeats].",
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Where new runs go [default: a new harness-check-* temp folder]."
+)
+def check(baseline, results, repeats, out):
+    """Exit 1 when a metric falls outside its band in the baseline; 0 when all hold; 2 on a bad baseline.
+
+    Per method and profile: utilisation (tokens/s over local's), ratio (over allreduce's), wire bytes per applied
+    token, final validation loss. A band holds when reference / (1 + tolerance) <= measured <= reference x (1 +
+    tolerance); the loss has only the upper bound.
+    """
+    import tempfile
+
+    from harness.analysis import bands, gate
+
+    spec = bands.load_baseline(baseline)
+    if results is None:
+        reexec_if_unprivileged()
+        results = out or Path(tempfile.mkdtemp(prefix="harness-check-"))
+        count = repeats or spec.repeats
+        print_text(f"running what {baseline} needs ({count} run(s) each) into {results}")
+        display = SweepProgress()
+        with display.bars:
+            gate.run_needed(spec, results, count, observer=display)
+    if repeats is not None and repeats < spec.repeats:
+        print_text(f"note: {repeats} run(s) each, fewer than the {spec.repeats} the bands were derived for")
+    outcomes = gate.check(spec, [results])
+    click.echo(gate.results_table(outcomes))
+    outside = [o for o in outcomes if not o.ok]
+    click.echo(f"{len(outcomes) - len(outside)} of {len(outcomes)} bands hold")
+    click.echo(f"runs: {results}")
+    sys.exit(1 if outside else 0)
+
+
+@click.command("baseline")
+@click.argument("results", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Baseline YAML to write.")
+def baseline(results, out):
+    """Write a baseline for `harness check` from RESULTS, a folder of repeats (a sweep with --repeats 3).
+
+    Every method gets two-sided bands (module doc of harness/analysis/baseline.py): reference = the median over its
+    repeats, tolerance = max(floor, 3 x their relative spread). RESULTS must hold allreduce and local runs and one
+    configuration per method. The file's header holds the one command that regenerates it.
+    """
+    from harness.analysis.baseline import bands_table, write_baseline
+
+    derived = write_baseline(results, out)
+    click.echo(bands_table(derived.baseline))
+    print_text(f"wrote {out}; check with: harness check --baseline {out}")

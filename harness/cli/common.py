@@ -1,0 +1,96 @@
+"""What every command prints with, and the steps several commands share."""
+
+from __future__ import annotations
+
+import os
+import sys
+import typing
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from harness.units import format_rate
+
+console = Console()
+errors = Console(stderr=True)
+
+
+def fail(message: str) -> typing.NoReturn:
+    """Bad input: one plain line on stderr, exit code 2 (as click's own usage errors)."""
+    errors.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(2)
+
+
+def print_text(text: str) -> None:
+    """Untrusted text (paths, names, errors) printed as it is: never read as markup, never highlighted."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def print_warnings(warnings: list[str]) -> None:
+    for warning in warnings:
+        errors.print(Text.assemble(("warning: ", "yellow"), warning), highlight=False, soft_wrap=True)
+
+
+def reexec_if_unprivileged() -> None:
+    from harness.userns import REEXEC_MARK, die_with_outer_harness, needs_reexec, reexec_in_user_namespace
+
+    if os.environ.get(REEXEC_MARK):
+        die_with_outer_harness()
+        return
+    if needs_reexec():
+        sys.exit(reexec_in_user_namespace(sys.argv[1:]))
+
+
+def csv_list(text: str, kind: type = str) -> tuple:
+    try:
+        return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r} must be a comma-separated list of {kind.__name__}s") from None
+
+
+def progress_bars() -> Progress:
+    return Progress(
+        # Never markup: descriptions hold run names and profile file names, statuses hold failure text.
+        TextColumn("{task.description}", style="bold", markup=False),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[status]}", markup=False),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+class SweepProgress:
+    """A bar for the sweep and one for the run in progress; a line per finished run."""
+
+    def __init__(self) -> None:
+        self.bars = progress_bars()
+        self.sweep = self.bars.add_task("sweep", total=None, status="")
+        self.run: Any = None
+
+    def started(self, combo, position: int, total: int) -> None:
+        self.bars.update(self.sweep, description=f"run {position}/{total}", total=total, completed=position - 1)
+        self.run = self.bars.add_task(combo.name, total=None, status="building cluster...")
+
+    def progress(self, state: dict[str, Any]) -> None:
+        if "step" not in state:
+            return
+        status = f"loss {state['loss']:.3f}  link {format_rate(state['link_bps'])}" if "loss" in state else ""
+        self.bars.update(self.run, completed=state["step"] + 1, total=state["total_steps"], status=status)
+
+    def finished(self, row) -> None:
+        if self.run is not None:
+            self.bars.remove_task(self.run)
+            self.run = None
+        self.bars.advance(self.sweep)
+        speed = f"{row.tokens_per_s:,.0f} tokens/s" if row.tokens_per_s else ""
+        if row.skipped:
+            line = Text.assemble(("skip", "dim"), f"   {row.combination.name} (finished earlier) {speed}")
+        elif row.status == "ok":
+            line = Text.assemble(("ok", "green"), f"     {row.combination.name} {speed}")
+        else:
+            line = Text.assemble(("failed", "red"), f" {row.combination.name}: {row.failure}")
+        self.bars.console.print(line, highlight=False)

@@ -1,0 +1,324 @@
+"""`harness run` and `harness calibrate`: one run on the emulated cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+from rich.text import Text
+
+from harness.cli.common import console, errors, print_text, print_warnings, progress_bars, reexec_if_unprivileged
+from harness.cli.options import (
+    WithMethodOptions,
+    backend_option,
+    clusters_option,
+    link_emulator_option,
+    method_option,
+    profile_option,
+    stages_option,
+    train_options,
+)
+from harness.run.config import RunConfig
+from harness.units import format_rate
+
+out_option = click.option(
+    "--out", type=click.Path(path_type=Path), help="Results folder [default: results/runs/<run_id>]."
+)
+
+
+class _SignalsBeforeTheRun:
+    """SIGINT and SIGTERM from the start of parsing the command's flags until the runner takes them over: recorded,
+    never raised, so that none is lost (SIG_IGN lost them) and none interrupts the command halfway.
+
+    Parsing `harness run` imports torch, whose C initialisation swallows a KeyboardInterrupt raised while it
+    imports numpy: the run went on with numpy half-imported and failed in its teardown, leaving its staging folder.
+    One that arrives before `runner.execute` is called stops the command (`stop_if_received`: nothing exists yet). One
+    that arrives inside `runner.execute` before the runner has installed its own handlers is passed on to those as
+    soon as they are in place, and the runner stops the run and removes what it built.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self.previous = {sig: signal.signal(sig, self._record) for sig in self.SIGNALS}
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self.received = self.received or signal.Signals(signum)
+        threading.Thread(target=self._pass_on, args=(signum,), daemon=True).start()
+
+    def _pass_on(self, signum: int) -> None:
+        # Only the main thread may install a handler and nothing tells this one when it has, hence the polling;
+        # the runner installs its handlers within milliseconds of being called.
+        while (handler := signal.getsignal(signum)) == self._record:
+            time.sleep(0.001)
+        # Not to the handlers of before (the command is over) nor to SIG_IGN (the run is over).
+        if handler not in (self.previous[signum], signal.SIG_IGN):
+            os.kill(os.getpid(), signum)
+
+    def stop_if_received(self) -> None:
+        if self.received is not None:
+            errors.print(
+                f"interrupted by {self.received.name} before the run started; nothing was created",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(128 + self.received)
+
+    def ignore(self) -> None:
+        """After the run, to the end of the process: a signal while the summary prints or Python exits is ignored
+        rather than turned into a traceback (or, once Python has reset its handlers on exit, a death by signal)."""
+        self.previous = dict.fromkeys(self.SIGNALS, signal.SIG_IGN)
+        self.restore()
+
+
+class _RecordsSignals(click.Command):
+    """A command whose SIGINT and SIGTERM `_SignalsBeforeTheRun` records from the start of parsing to the end;
+    the callback finds it in `ctx.meta`."""
+
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        signals = _SignalsBeforeTheRun()
+        try:
+            ctx = super().make_context(info_name, args, parent, **extra)
+        except BaseException:  # --help, a usage error: the command ends here
+            signals.restore()
+            raise
+        ctx.meta[_SignalsBeforeTheRun] = signals
+        ctx.call_on_close(signals.restore)
+        return ctx
+
+
+class _RunCommand(_RecordsSignals, WithMethodOptions):
+    pass
+
+
+@click.command("run", cls=_RunCommand)
+@profile_option
+@method_option("allreduce")
+@clusters_option()
+@stages_option()
+@out_option
+@click.option("--calibrate", is_flag=True, help="Measure the link's all-reduce busbw before training.")
+@backend_option()
+@link_emulator_option()
+@click.option(
+    "--fault",
+    "faults",
+    multiple=True,
+    metavar="KIND:STEP:ARG",
+    help="Inject a fault when rank 0 has done STEP steps (repeatable): link-down:STEP:SECONDS, rate:STEP:RATE "
+    "(e.g. rate:50:100mbit), kill:STEP:RANK.",
+)
+@click.option(
+    "--gpus",
+    default=RunConfig.gpus,
+    show_default=True,
+    help="Docker backend: one GPU per rank: auto (GPU r for rank r with the nvidia runtime), none, or ids 0,1.",
+)
+@train_options
+@click.pass_context
+def run(ctx, method, profile, clusters, stages, out, calibrate, backend, link_emulator, faults, gpus, **settings):
+    """Train one method on the emulated cluster and write a results folder."""
+    from harness.run import runner
+
+    signals = ctx.meta[_SignalsBeforeTheRun]
+    config = RunConfig.build(
+        method,
+        profile,
+        clusters=clusters,
+        stages=stages,
+        backend=backend,
+        link_emulator=link_emulator,
+        faults=faults,
+        gpus=gpus,
+        calibrate=calibrate,
+        **settings,
+    )
+    checked = runner.validate(config, out)
+    print_warnings(config.warnings())
+    signals.stop_if_received()
+    reexec_if_unprivileged()
+    progress, update = _progress_display()
+    signals.stop_if_received()
+    with progress:
+        summary = runner.execute(checked, on_progress=update)
+    signals.ignore()
+    print_summary(summary)
+    sys.exit(_exit_code(summary))
+
+
+@click.command("calibrate", cls=_RecordsSignals)
+@profile_option
+@clusters_option()
+@out_option
+@backend_option()
+@link_emulator_option()
+@click.pass_context
+def calibrate(ctx, profile, clusters, out, backend, link_emulator):
+    """Measure all-reduce bus bandwidth across the clusters on the shaped link."""
+    from harness.run import runner
+
+    signals = ctx.meta[_SignalsBeforeTheRun]
+    config = RunConfig.build(
+        "allreduce", profile, clusters=clusters, backend=backend, link_emulator=link_emulator, mode="calibrate",
+        calibrate=True,
+    )  # fmt: skip
+    checked = runner.validate(config, out)
+    signals.stop_if_received()
+    reexec_if_unprivileged()
+    signals.stop_if_received()
+    summary = runner.execute(checked)
+    signals.ignore()
+    if summary["status"] != "ok":
+        errors.print(
+            f"error: calibration failed: {summary['failure']} (results: {summary['results_dir']})",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(1)
+    busbw, rate = summary["link_busbw_bps"], summary["link_rate_bps"]
+    ratio = f" = {busbw / rate:.3f} of the configured rate" if rate else ""
+    print_text(
+        f"profile {summary['profile']}: all-reduce busbw {format_rate(busbw)} across {clusters} clusters, "
+        f"configured {format_rate(rate) if rate else 'unshaped'}{ratio}"
+    )
+    print_text(f"results: {summary['results_dir']}")
+
+
+def _exit_code(summary: dict[str, Any]) -> int:
+    """0 ok, 1 failed; a run stopped by a signal exits as the shell expects (128 + N: 130 for Ctrl-C)."""
+    if not summary.get("interrupted_by"):
+        return 0 if summary["status"] == "ok" else 1
+    return 128 + signal.Signals[summary["interrupted_by"]].value
+
+
+def _progress_display():
+    progress = progress_bars()
+    task = progress.add_task("starting", total=None, status="building cluster...")
+
+    def update(state: dict[str, Any]) -> None:
+        if "step" not in state:
+            return
+        parts = [f"loss {state['loss']:.3f}" if "loss" in state else ""]
+        if "val_loss" in state:
+            parts.append(f"val {state['val_loss']:.3f}")
+        if state.get("step_s"):
+            parts.append(f"{state['tokens'] / max(state['step'] + 1, 1) / state['step_s']:,.0f} tok/s")
+        util = state.get("link_utilisation")
+        parts.append(
+            f"link {format_rate(state['link_bps'])}" + (f" ({util:.0%} of {state['link']})" if util is not None else "")
+        )
+        progress.update(
+            task,
+            description=f"step {state['step'] + 1}/{state['total_steps']}",
+            completed=state["step"] + 1,
+            total=state["total_steps"],
+            status="  ".join(parts),
+        )
+
+    return progress, update
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    for key, value in _summary_rows(summary):
+        # Text, not markup: a failure holds the worker's error, e.g. gloo's "[/path/pair.cc:339] ...".
+        table.add_row(Text(key, style="bold"), Text(value))
+    console.print(table)
+    print_text(f"results: {summary['results_dir']}")
+
+
+def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        ("status", summary["status"] + (f" - {summary['failure']}" if summary.get("failure") else "")),
+        (
+            "method / profile",
+            f"{summary['method']} on {summary['profile']} "
+            f"({summary['clusters']} clusters x {summary['stages']} stages, {summary['backend']})",
+        ),
+        ("model", f"{summary['model']} ({summary['param_count'] / 1e6:.2f}M parameters)"),
+        ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,} trained, " + _applied(summary)),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} applied tokens/s" if summary.get("tokens_per_s") else "-"),
+        ("loss", _loss_line(summary)),
+        (
+            "wire bytes",
+            f"{summary['wire_bytes']:,} ({summary['wire_bytes_per_token']:.1f} per token; "
+            f"method payload {summary['payload_bytes']:,})"
+            if summary.get("wire_bytes")
+            else "-",
+        ),
+    ]
+    rows += _link_rows(summary)
+    for fault in summary.get("faults") or []:
+        restored = (
+            f", restored after {fault['restored_t'] - fault['injected_t']:.1f} s" if "restored_t" in fault else ""
+        )
+        rows.append(("fault", f"{fault['fault']} injected at step {fault['injected_at_step']}{restored}"))
+    if summary.get("link_busbw_bps"):
+        rows.append(
+            (
+                "link busbw",
+                f"{format_rate(summary['link_busbw_bps'])} measured vs "
+                f"{format_rate(summary['link_rate_bps'])} configured",
+            )
+        )
+    return rows
+
+
+def _link_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the link did: its conformance to the rate and, for delay/jitter/loss profiles, the probe's figures."""
+    rows = []
+    if summary.get("link_max_excess") is not None:
+        verdict = "conforms" if summary["link_conforms"] else "BROKE the rate"
+        retransmits = summary.get("tcp_retransmit_fraction")
+        retransmitted = "unknown" if retransmits is None else f"{retransmits:.1%} of segments"
+        rows.append(
+            (
+                "link",
+                f"{verdict}: worst window {summary['link_max_excess']:.2f} x (rate x window + burst); "
+                f"TCP retransmitted {retransmitted}",
+            )
+        )
+    if summary.get("link_rtt_ms") is not None:
+        verdict = "matches the profile" if summary["link_check_ok"] else "MISSES the profile"
+        loss = summary.get("link_loss_measured")
+        rows.append(
+            (
+                "link delay",
+                f"{verdict} ({summary['link_emulator']}): RTT {summary['link_rtt_ms']:.2f} ms median vs "
+                f"{summary['link_rtt_target_ms']:g} ms, loss {loss:.2%} vs {summary['link_loss_target']:.2%} "
+                f"({summary['link_probes']:,} probes)"
+                if loss is not None
+                else f"{verdict}: RTT {summary['link_rtt_ms']:.2f} ms vs {summary['link_rtt_target_ms']:g} ms",
+            )
+        )
+    return rows
+
+
+def _loss_line(summary: dict[str, Any]) -> str:
+    """Whatever losses exist: a failed run may have no final training loss but a validation curve."""
+    parts = []
+    if summary.get("final_train_loss") is not None:
+        parts.append(f"train {summary['final_train_loss']:.3f}")
+    if summary.get("final_val_loss") is not None:
+        parts.append(f"val {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}")
+    return ", ".join(parts) or "-"
+
+
+def _applied(summary: dict[str, Any]) -> str:
+    """Applied tokens: those whose updates are in the final synchronized parameters (docs/measurement.md)."""
+    applied = summary.get("applied_tokens")
+    return "-" if applied is None else f"{applied:,} applied"

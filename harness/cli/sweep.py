@@ -1,0 +1,120 @@
+"""`harness sweep` (many runs into one folder) and `harness regime` (a profile as communication-bound as a
+published setting)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import click
+from rich.text import Text
+
+from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
+from harness.cli.options import WithMethodOptions, cluster_options, train_options
+from trainers.registry import method_names
+
+
+@click.command("sweep", cls=WithMethodOptions)
+@click.option("--methods", required=True, help=f"Comma-separated methods ({', '.join(method_names())}).")
+@click.option("--profiles", default="", help="Comma-separated profile names or profile YAML paths.")
+@click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
+@click.option(
+    "--set",
+    "grid",
+    multiple=True,
+    metavar="KEY=V1,V2",
+    help="Sweep a setting (repeatable; the product is run), e.g. local_steps=10,50 or stages=1,2. "
+    "A method option goes only to the methods that have it.",
+)
+@click.option(
+    "--method-set",
+    multiple=True,
+    metavar="METHOD:KEY=VALUE",
+    help="Fix an option for one method only (repeatable), e.g. opendiloco:local_steps=20.",
+)
+@click.option(
+    "--regime",
+    metavar="TARGET",
+    help="Add a profile whose link rate makes AllReduce as communication-bound as TARGET (paper-107b); "
+    "measured once, written to OUT/profiles/TARGET.yaml.",
+)
+@click.option("--repeats", default=1, show_default=True, help="Runs per combination (e.g. for medians).")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Sweep folder (resumed if it exists).")
+@click.option("--force", is_flag=True, help="Rerun finished combinations (and re-derive the regime profile).")
+@cluster_options
+@train_options
+def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, force, **flags):
+    """Run methods x profiles x seeds (x --set values) one after another into one sweep folder.
+
+    Round-robin: for each seed (and repeat), each profile, every method runs back to back, so machine noise falls
+    on all methods alike. A finished combination (summary.json with status ok) is skipped, so rerunning the command
+    resumes an interrupted sweep; a failed run is recorded and the sweep goes on. OUT/index.csv lists every run;
+    OUT/sweep.json holds the command line that makes the sweep.
+    """
+    import shlex
+
+    from harness.analysis.regime import regime_profile
+    from harness.analysis.sweep import SweepInterrupted, SweepSpec, parse_set, per_method_settings, run_sweep
+
+    settings = {k: v for k, v in flags.items() if v is not None}
+    spec = SweepSpec(
+        methods=csv_list(methods),
+        profiles=csv_list(profiles),
+        seeds=csv_list(seeds, int),
+        grid=tuple(parse_set(g) for g in grid),
+        settings=settings,
+        per_method=per_method_settings(method_set),
+        repeats=repeats,
+    )
+    spec.validate(regime_pending=regime is not None)
+    if spec.profiles:
+        print_warnings(spec.warnings())
+    reexec_if_unprivileged()
+    if regime is not None:
+        path, derived = regime_profile(regime, settings, out, force)
+        print_text(derived.describe() if derived else f"regime {regime}: reusing {path}")
+        spec = dataclasses.replace(spec, profiles=(*spec.profiles, str(path)))
+    display = SweepProgress()
+    try:
+        with display.bars:
+            rows = run_sweep(spec, out, force=force, observer=display, command=shlex.join(["harness", *sys.argv[1:]]))
+    except SweepInterrupted as err:
+        console.print(
+            Text.assemble(("sweep interrupted", "yellow"), f" ({err}); run the same command again to resume it")
+        )
+        sys.exit(130)
+    failed = [r for r in rows if r.status != "ok"]
+    print_text(
+        f"{len(rows) - len(failed)} of {len(rows)} runs ok; index: {out / 'index.csv'}; next: harness report {out}"
+    )
+    sys.exit(1 if failed else 0)
+
+
+@click.command("regime")
+@click.option("--target", default="paper-107b", show_default=True, help="The published regime to match.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Profile YAML to write [default: results/profiles/TARGET-MODEL.yaml]"
+)
+@cluster_options
+@train_options
+def regime(target, out, seed, **flags):
+    """Derive the link rate at which AllReduce is as communication-bound as TARGET, and write it as a profile.
+
+    Measures this machine's compute time per step with a few `local` steps, then
+    rate = 8 P / (R T_c): P gradient bytes per step on a cluster's uplink, R = T_comm / T_c of the target.
+    Takes the same flags as `harness sweep`; method options do not change the measurement.
+    """
+    import tempfile
+
+    from harness.analysis.regime import check_request, derive_regime, write_regime_profile
+
+    del seed  # accepted like sweep's flags; weights' seed does not change compute time
+    settings = {k: v for k, v in flags.items() if v is not None}
+    check_request(target, settings)
+    reexec_if_unprivileged()
+    with tempfile.TemporaryDirectory(prefix="harness-regime-") as work:
+        derived = derive_regime(target, settings, Path(work))
+    path = write_regime_profile(derived, out or Path("results") / "profiles" / f"{target}-{derived.model}.yaml")
+    print_text(derived.describe())
+    print_text(f"profile: {path} (use it with --profile {path}); measurements: {path.with_suffix('.json')}")

@@ -1,0 +1,53 @@
+"""environment.json: what a run's numbers depend on, recorded truthfully also for a run without root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import harness
+from harness.run.summary import environment
+
+REPO = Path(harness.__file__).resolve().parent.parent
+
+
+def test_environment_records_the_commit_and_both_user_ids():
+    env = environment({"backend": "netns"})
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert env["git_commit"] == (head.strip() or None)
+    assert env["euid"] == os.geteuid() and env["host_uid"] == os.getuid()  # no user namespace here
+    assert env["backend"] == "netns"
+
+
+def test_a_run_in_a_user_namespace_records_the_commit_and_the_hosts_uid():
+    """As a normal user the harness runs as root of its own user namespace, where the root-owned checkout looks
+    foreign: git refused it ("dubious ownership") and git_commit was null, and euid said 0."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    if not head or os.stat(REPO).st_uid == 65534:
+        pytest.skip("needs a git checkout that user nobody does not own")
+    site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"))
+    home = tempfile.mkdtemp(prefix="harness-nobody-", dir="/tmp")
+    os.chmod(home, 0o777)
+    code = "import json; from harness.run.summary import environment; print(json.dumps(environment({})))"
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+               "unshare", "--user", "--map-root-user", "/usr/bin/python3", "-c", code]  # fmt: skip
+    env = {"PATH": os.environ["PATH"], "HOME": home, "PYTHONPATH": f"{REPO}:{site}"}
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, cwd=home, env=env, timeout=120)
+    finally:
+        os.rmdir(home)
+    if result.returncode != 0 and "import" in result.stderr.lower():
+        pytest.skip(f"user nobody cannot run the harness with /usr/bin/python3: {result.stderr.strip()[-200:]}")
+    assert result.returncode == 0, result.stderr
+    recorded = json.loads(result.stdout.splitlines()[-1])
+    assert recorded["git_commit"] == head
+    assert recorded["git_dirty"] is not None
+    assert (recorded["euid"], recorded["host_uid"]) == (0, 65534)
