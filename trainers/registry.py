@@ -21,7 +21,9 @@ METHODS: dict[str, str] = {
     "opendiloco": "trainers.opendiloco:OpenDiLoCo",
     "cocktail": "trainers.cocktail:Cocktail",
     "dilocox": "trainers.dilocox:DiLoCoX",
+    "sparseloco": "trainers.sparseloco:SparseLoCo",
     "local": "trainers.local:Local",
+    "demo": "trainers.demo:DeMo",
 }
 
 
