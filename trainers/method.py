@@ -200,3 +200,41 @@ class Method(ABC):
     def lr(self) -> float:
         """The inner learning rate in force."""
         return self.inner.lr
+
+
+class BlockingRounds(Method):
+    """A DiLoCo-style method whose rounds block: `local_steps` inner steps (its config's field), then
+    `outer_step()`, which synchronizes across clusters and returns its report. With `final_sync` the steps of an
+    unfinished last round are synchronized in `finish()`, so every trained token is in the final model."""
+
+    keeps_global_copy = True
+
+    def __init__(self, ctx: MethodContext, cfg: MethodConfig):
+        super().__init__(ctx, cfg)
+        self.steps_in_round = 0
+        self.synchronized_steps = 0
+
+    @abstractmethod
+    def outer_step(self) -> SyncReport:
+        """Synchronize this round's progress and start the next round from the result."""
+
+    def step(self, step: int) -> SyncReport | None:
+        self.inner.step()
+        self.steps_in_round += 1
+        if self.steps_in_round < self.cfg.local_steps:
+            return None
+        return self._end_round()
+
+    def finish(self) -> list[SyncReport]:
+        if self.cfg.final_sync and self.steps_in_round:
+            return [self._end_round()]
+        return []
+
+    def applied_steps(self, trained_steps: int) -> int:
+        return self.synchronized_steps
+
+    def _end_round(self) -> SyncReport:
+        report = self.outer_step()
+        self.synchronized_steps += self.steps_in_round
+        self.steps_in_round = 0
+        return report

@@ -23,7 +23,16 @@ import torch
 
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
 from trainers.compression import CAST_DTYPES, CastDtype
-from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncPlan, SyncReport, copy_into, numel
+from trainers.method import (
+    BlockingRounds,
+    Exchange,
+    MethodConfig,
+    MethodContext,
+    SyncPlan,
+    SyncReport,
+    copy_into,
+    numel,
+)
 from trainers.optim import OuterOptimizer, validate_outer
 
 
@@ -56,34 +65,15 @@ class OpenDiLoCoConfig(MethodConfig):
             )
 
 
-class OpenDiLoCo(Method):
+class OpenDiLoCo(BlockingRounds):
     config_class = OpenDiLoCoConfig
-    keeps_global_copy = True
 
     def __init__(self, ctx: MethodContext, cfg: OpenDiLoCoConfig):
         super().__init__(ctx, cfg)
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
-        self.steps_in_round = 0
-        self.synchronized_steps = 0
-
-    def step(self, step: int) -> SyncReport | None:
-        self.inner.step()
-        self.steps_in_round += 1
-        if self.steps_in_round < self.cfg.local_steps:
-            return None
-        return self._outer_step()
-
-    def finish(self) -> list[SyncReport]:
-        """The partial last round's outer step (with final_sync), so the final theta_global holds every step."""
-        if self.cfg.final_sync and self.steps_in_round:
-            return [self._outer_step()]
-        return []
-
-    def applied_steps(self, trained_steps: int) -> int:
-        return self.synchronized_steps
 
     @torch.no_grad()
-    def _outer_step(self) -> SyncReport:
+    def outer_step(self) -> SyncReport:
         pseudo_grads = [g - p for g, p in zip(self.global_params, self.params, strict=True)]
         # One flat bucket, cast before the all-reduce so the link carries pseudo_grad_dtype: gloo and NCCL sum
         # fp16 and bf16 natively. The sum is taken in the wire dtype, as OpenDiLoCo's fp16 all-reduce does.
@@ -96,8 +86,6 @@ class OpenDiLoCo(Method):
         self.outer.step(pseudo_grads)
         copy_into(self.global_params, self.params)
         fields = {"pseudo_grad_norm": averaged.norm().item(), "local_steps": self.steps_in_round}
-        self.synchronized_steps += self.steps_in_round
-        self.steps_in_round = 0
         return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s, fields=fields)
 
     def optimizer_state_bytes(self) -> int:

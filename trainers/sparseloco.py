@@ -68,7 +68,16 @@ from functools import cache
 import torch
 
 from trainers.comm import all_gather_bytes, flatten
-from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncPlan, SyncReport, copy_into, tensor_bytes
+from trainers.method import (
+    BlockingRounds,
+    Exchange,
+    MethodConfig,
+    MethodContext,
+    SyncPlan,
+    SyncReport,
+    copy_into,
+    tensor_bytes,
+)
 from trainers.optim import OuterOptimizer, validate_outer
 
 _FP32_BYTES = 4
@@ -330,9 +339,8 @@ def mean_over_senders(
 # ----------------------------------------------------------------------------------------------------------
 
 
-class SparseLoCo(Method):
+class SparseLoCo(BlockingRounds):
     config_class = SparseLoCoConfig
-    keeps_global_copy = True  # theta
 
     def __init__(self, ctx: MethodContext, cfg: SparseLoCoConfig):
         super().__init__(ctx, cfg)
@@ -341,27 +349,9 @@ class SparseLoCo(Method):
         self.compressor = cfg.compressor()
         self.error = [torch.zeros_like(g) for g in self.global_params]  # e_i, per tensor of this stage
         self.round = 0
-        self.steps_in_round = 0
-        self.synchronized_steps = 0
-
-    def step(self, step: int) -> SyncReport | None:
-        self.inner.step()
-        self.steps_in_round += 1
-        if self.steps_in_round < self.cfg.local_steps:
-            return None
-        return self._outer_step()
-
-    def finish(self) -> list[SyncReport]:
-        """The partial last round's outer step (with final_sync), so the final theta holds every step."""
-        if self.cfg.final_sync and self.steps_in_round:
-            return [self._outer_step()]
-        return []
-
-    def applied_steps(self, trained_steps: int) -> int:
-        return self.synchronized_steps
 
     @torch.no_grad()
-    def _outer_step(self) -> SyncReport:
+    def outer_step(self) -> SyncReport:
         self.round += 1
         payloads, fields = self._accumulate_and_compress()
         # Every replica's stage has the same shapes, so the payloads have equal sizes, as the all-gather needs.
@@ -371,8 +361,6 @@ class SparseLoCo(Method):
         self.outer.step(average)
         copy_into(self.global_params, self.params)
         fields.update(round=self.round, local_steps=self.steps_in_round, shared_fraction=shared)
-        self.synchronized_steps += self.steps_in_round
-        self.steps_in_round = 0
         return SyncReport(payload_bytes=inflight.payload_bytes, blocked_s=blocked_s, fields=fields)
 
     def _accumulate_and_compress(self) -> tuple[list[torch.Tensor], dict]:
