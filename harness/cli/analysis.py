@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from harness.cli.common import SweepProgress, errors, print_text, reexec_if_unprivileged
-from harness.cli.options import WithMethodOptions, clusters_option, method_option, profile_option
+from harness.cli.options import WithMethodOptions, clusters_option, method_option, paths_option, profile_option
 from trainers.config import TrainConfig
 
 results_argument = click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
@@ -76,12 +76,12 @@ def _exit_if_skipped(loaded) -> None:
 @clusters_option()
 @click.option("--batch-size", type=int, help=f"Sequences per site per step [default: {TrainConfig.batch_size}].")
 @click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context].")
-@click.option(
+@paths_option(
     "--compute-from",
-    multiple=True,
-    type=click.Path(exists=True, path_type=Path),
-    help="Runs (folders of runs) of this method on this machine to measure compute from, scaled by FLOPs to the "
+    "compute_from",
+    "Runs (folders of runs) of this method on this machine to measure compute from, scaled by FLOPs to the "
     "model and batch (repeatable).",
+    exists=True,
 )
 @click.option("--compute-s", type=float, help="Seconds per step of compute, given.")
 @click.option("--accelerator-tflops", type=float, help="Peak TFLOP/s of one accelerator in the training dtype.")
@@ -94,13 +94,12 @@ def _exit_if_skipped(loaded) -> None:
     help="Payload share of the link rate TCP reaches [default: 0.94, measured by harness calibrate].",
 )
 @click.option("--window-bytes", type=int, help="Bytes TCP keeps in flight [default: 2/3 of tcp_wmem's maximum].")
-@click.option(
+@paths_option(
     "--validate",
     "validate_results",
-    multiple=True,
-    type=click.Path(exists=True, path_type=Path),
-    help="Instead: predict every method and profile of these runs, with compute from --compute-from's runs of the "
+    "Instead: predict every method and profile of these runs, with compute from --compute-from's runs of the "
     "same settings (on an unshaped link), and print predicted vs measured (repeatable).",
+    exists=True,
 )
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="--validate: write the table as CSV.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the prediction (or table) as JSON.")

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harness.cli.common import console, csv_list, print_text, reexec_if_unprivileged
-from harness.cli.options import clusters_option, profile_option, stages_option
+from harness.cli.options import clusters_option, paths_option, profile_option, stages_option
 from harness.units import format_rate
 
 
@@ -28,13 +28,12 @@ def doctor() -> None:
 
 @click.command("cleanup")
 @click.option("--run-key", help="Only this run's leftovers (the hx...... prefix in config.json's run_key).")
-@click.option(
+@paths_option(
     "--results",
     "results_dirs",
-    multiple=True,
-    type=click.Path(path_type=Path, file_okay=False),
-    help="A folder of results folders whose staging folders (.<name>.partial) to check, one level deep; "
+    "A folder of results folders whose staging folders (.<name>.partial) to check, one level deep; "
     "repeatable (default: results/runs).",
+    file_okay=False,
 )
 def cleanup(run_key: str | None, results_dirs: tuple[Path, ...]) -> None:
     """Remove what a harness killed with SIGKILL left: namespaces, containers, networks, results staging folders.

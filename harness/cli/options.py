@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -50,26 +51,37 @@ def stages_option(default: int | None = RunConfig.stages) -> Decorator:
     return _shape_option("--stages", "Pipeline stages (ranks) per cluster", default, RunConfig.stages)
 
 
-def backend_option(default: str | None = RunConfig.backend) -> Decorator:
+def _choice_option(flag: str, choices: tuple[str, ...], default: str | None, fallback: str, text: str) -> Decorator:
+    """A choice whose default shows in the help; None leaves it unset (a sweep's runs keep RunConfig's default),
+    and the help says what that default is."""
     return click.option(
-        "--backend",
+        flag,
         default=default,
         show_default=default is not None,
-        type=click.Choice(BACKENDS),
-        help=None if default is not None else f"[default: {RunConfig.backend}]",
+        type=click.Choice(choices),
+        help=" ".join(part for part in (text, None if default is not None else f"[default: {fallback}]") if part)
+        or None,
     )
+
+
+def backend_option(default: str | None = RunConfig.backend) -> Decorator:
+    return _choice_option("--backend", BACKENDS, default, RunConfig.backend, "")
 
 
 def link_emulator_option(default: str | None = RunConfig.link_emulator) -> Decorator:
-    return click.option(
+    return _choice_option(
         "--link-emulator",
-        default=default,
-        show_default=default is not None,
-        type=click.Choice(LINK_EMULATORS),
-        help="What adds a profile's delay, jitter and loss: netem, or the userspace delay line where the kernel "
-        "has no sch_netem (auto picks; `harness doctor` says which this machine has)."
-        + ("" if default is not None else f" [default: {RunConfig.link_emulator}]"),
+        LINK_EMULATORS,
+        default,
+        RunConfig.link_emulator,
+        "What adds a profile's delay, jitter and loss: netem, or the userspace delay line where the kernel "
+        "has no sch_netem (auto picks; `harness doctor` says which this machine has).",
     )
+
+
+def paths_option(flag: str, dest: str, help: str, **path: bool) -> Decorator:
+    """A repeatable option naming folders or files (`path`: click.Path's exists, file_okay, ...)."""
+    return click.option(flag, dest, multiple=True, type=click.Path(path_type=Path, **path), help=help)
 
 
 def cluster_options(command):

@@ -129,23 +129,14 @@ class _RunCommand(_RecordsSignals, WithMethodOptions):
 )
 @train_options
 @click.pass_context
-def run(ctx, method, profile, clusters, stages, out, calibrate, backend, link_emulator, faults, gpus, **settings):
+def run(ctx, method, profile, out, **settings):
     """Train one method on the emulated cluster and write a results folder."""
     from harness.run import runner
 
     signals = ctx.meta[_SignalsBeforeTheRun]
-    config = RunConfig.build(
-        method,
-        profile,
-        clusters=clusters,
-        stages=stages,
-        backend=backend,
-        link_emulator=link_emulator,
-        faults=faults,
-        gpus=gpus,
-        calibrate=calibrate,
-        **settings,
-    )
+    # Every other flag is a RunConfig.build setting by the same name: the cluster's shape, backend, link emulator,
+    # faults and GPUs, the training settings and the method's options.
+    config = RunConfig.build(method, profile, **settings)
     checked = runner.validate(config, out)
     print_warnings(config.warnings())
     signals.stop_if_received()
