@@ -47,7 +47,7 @@ from harness.errors import UserError
 from harness.run import runner
 from harness.run.config import RunConfig
 from harness.run.folder import RunFolder, RunPaths, UnreadableResults, read_summary, run_key_of
-from harness.run.lock import owner_alive
+from harness.run.lock import owner_alive, staging_held
 from trainers.config import TrainConfig
 from trainers.registry import METHODS, option_names
 
@@ -328,8 +328,9 @@ def _run_one(spec: SweepSpec, combo: Combination, out: Path, observer: SweepObse
     # not ours to remove.
     staging = RunFolder(final).staging
     key = run_key_of(staging)
-    if key and owner_alive(key):
-        return IndexRow(combo, "failed", None, f"{staging} is being written by a live run ({key}); resume when it ends")
+    if staging_held(staging) or (key and owner_alive(key)):
+        owner = f"a live run ({key})" if key else "a live run"
+        return IndexRow(combo, "failed", None, f"{staging} is being written by {owner}; resume when it ends")
     for stale in (staging, final):
         if stale.exists():
             shutil.rmtree(stale)

@@ -203,6 +203,24 @@ class RunLock:
         self.release()
 
 
+def staging_held(folder: Path) -> bool:
+    """Whether a live run names `folder` as its results staging folder in its lock: true from the moment the run
+    creates the folder, before it has written anything into it (so before its config.json names its key)."""
+    wanted = os.path.abspath(folder)
+    if any(lock.staging is not None and os.path.abspath(lock.staging) == wanted for lock in _held.values()):
+        return True
+    for directory in _lock_dirs():
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            path = directory / name
+            if LOCK_FILE.match(name) and _lock_fields(path).get("staging") == wanted and _probe(path):
+                return True
+    return False
+
+
 def _lock_fields(path: Path) -> dict[str, str]:
     """The lines a lock file holds for humans ("pid 123", "staging /x/.y.partial"), as a dict; {} if unreadable."""
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import shutil
 
 import pandas as pd
@@ -225,6 +226,19 @@ def test_a_staging_folder_whose_run_lives_is_left_alone(tmp_path, fake_runner):
         (row,) = run_sweep(spec, out)
     assert staging.is_dir() and calls == []
     assert row.status == "failed" and f"{staging} is being written by a live run ({config.run_key})" in row.failure
+
+
+def test_a_live_runs_staging_folder_is_left_alone_before_it_holds_a_config(tmp_path, fake_runner):
+    """The runner makes its staging folder under its lock before it writes config.json: the lock names the folder."""
+    calls, _ = fake_runner
+    spec = SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 20})
+    out = tmp_path / "sweep"
+    staging = out / "runs" / ".allreduce-1gbps-s0.partial"
+    staging.mkdir(parents=True)
+    with RunLock("hx" + secrets.token_hex(3), staging=staging):
+        (row,) = run_sweep(spec, out)
+    assert staging.is_dir() and calls == []
+    assert row.status == "failed" and f"{staging} is being written by a live run;" in row.failure
 
 
 def test_an_interrupted_run_stops_the_sweep_and_other_settings_refuse_to_resume(tmp_path, monkeypatch):
