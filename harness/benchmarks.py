@@ -9,9 +9,9 @@ import subprocess
 import time
 
 from harness.backends import make_backend
+from harness.lock import RunLock
 from harness.net.link import LinkSpec, Profile
 from harness.net.topology import Topology
-from harness.run.lock import RunLock
 
 
 def cluster_lifecycle(profile: Profile, clusters: int, stages: int, repeats: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """`harness cleanup`: remove what harnesses that died without tearing down (SIGKILL) left behind.
 
-Ownership decides (harness/run/lock.py): everything of a run whose lock file exists and is free is removed, nothing
+Ownership decides (harness/lock.py): everything of a run whose lock file exists and is free is removed, nothing
 of a run whose lock is held. This module claims the dead runs' locks, asks each backend to remove its part
 (namespaces, delay lines; containers, networks), removes the results staging folders, then deletes the lock files
 of the runs nothing is left of. A run without a lock file (a harness of an older version) falls back to the rules
@@ -19,8 +19,7 @@ from pathlib import Path
 
 from harness.backends import netns
 from harness.errors import UserError
-from harness.run.folder import DEFAULT_RUNS_DIR, STAGING_SUFFIX, run_key_of
-from harness.run.lock import (
+from harness.lock import (
     RUN_KEY,
     claim_dead_locks,
     claimed_keys,
@@ -29,6 +28,7 @@ from harness.run.lock import (
     owner_alive,
     release_claims,
 )
+from harness.run.folder import DEFAULT_RUNS_DIR, STAGING_SUFFIX, run_key_of
 
 # A results staging folder: `.<name>.partial` next to where the finished folder will be (harness/run/folder.py).
 PARTIAL_FOLDER = re.compile(r"^\..+" + re.escape(STAGING_SUFFIX) + "$")

@@ -6,8 +6,9 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from harness.net.delayline import TUN_DEVICE, tun_unavailable_reason
 from harness.net.profiles import max_shapeable_rate_bps
-from harness.net.shaping import TUN_DEVICE, probe_qdiscs, tun_unavailable_reason
+from harness.net.shaping import probe_qdiscs
 from harness.units import format_rate
 from harness.userns import user_namespaces_work
 

@@ -37,8 +37,8 @@ Applying an average is one outer step on theta, Nesterov SGD with lr eta and mom
              On one quadratic direction whose round contracts it by k (delta = k (s - theta*), 0 < k <= 1), the
              loop's worst spectral radius is 1.28 at eta 0.7, mu 0.9 (it diverges; the blocking loop's is 0.95),
              and it stays below 1 only for eta < 0.25 at mu 0.9, 0.56 at mu 0.5, 1 at mu 0 (blocking: > 1.3).
-             Measured (README, "DiLoCoX convergence"): at 0.7 / 0.9 it diverges; at 0.4 / 0.5, inside the region,
-             it converges but ends far above blocking DiLoCo, so it is not the default.
+             Measured (docs/studies.md, "DiLoCoX convergence"): at 0.7 / 0.9 it diverges; at 0.4 / 0.5, inside the
+             region, it converges but ends far above blocking DiLoCo, so it is not the default.
 
   eager      Eager updates (arXiv 2502.12996, "Eager Updates for Overlapped Communication and Computation in
              DiLoCo"): theta is committed as under `delayed`, momentum updated once, but the replica restarts from
@@ -147,7 +147,7 @@ class DiLoCoXConfig(MethodConfig):
     study, and the overlap that converged there (streaming) in place of the paper's one-step delay, which is
     `overlap="delayed"`.
 
-    r_1 = 64 with two power iterations trained closest to AllReduce while sending >= 500x fewer bytes (README,
+    r_1 = 64 with two power iterations trained closest to AllReduce while sending >= 500x fewer bytes (docs/studies.md,
     "DiLoCoX convergence"): +6.7% on the tiny model (r_1 = 32 with one: +10.5%), +4.4% on the small one (+8.5%).
     It is hidden / 2 on tiny, where a 128 x 128 matrix's rank-64 factors are no smaller than the matrix, so those
     go whole until r_t falls below 64, and hidden / 6 on small; the paper's r_1 = 2048 is hidden / 4 of its 8192.
@@ -171,7 +171,7 @@ class DiLoCoXConfig(MethodConfig):
             "help": "When a round's average is applied: streaming (the default: the exchange overlaps the round's "
             "last --overlap-steps steps), none (blocking), eager, or delayed, the paper's one-step-delay update "
             "(Algorithm 2): `--overlap delayed` is DiLoCoX exactly as published, which diverges at its outer lr "
-            "0.7 and momentum 0.9 (README, 'DiLoCoX convergence')."
+            "0.7 and momentum 0.9 (docs/studies.md, 'DiLoCoX convergence')."
         },
     )
     # tau: streaming's exchange starts this many inner steps before the round ends; None: H_1 // 10, what the

@@ -54,7 +54,8 @@ from trainers.models import DecoderLM, count_parameters, get_model_config
 # rate at 2-8 clusters; a 1448-byte segment in a 1514-byte frame is 0.956 before ACKs).
 DEFAULT_EFFICIENCY = 0.94
 # Bytes TCP keeps in flight per connection: a single stream through a 40 ms delay line reached 554 Mbit/s with
-# net.ipv4.tcp_wmem's maximum at 4 MiB (README, "Real WAN links"), 2.77 MB in flight: two thirds of the maximum.
+# net.ipv4.tcp_wmem's maximum at 4 MiB (docs/links.md, "Measured on this machine"), 2.77 MB in flight: two thirds
+# of the maximum.
 WINDOW_SHARE_OF_WMEM = 2 / 3
 # gloo's ring all-reduce (gloo/allreduce.cc) cuts its buffer into segments of at most kMaxSegmentSize, 1 MiB,
 # and keeps two of them in flight per direction; torch does not change the segment size.

@@ -44,10 +44,10 @@ from typing import Any, Protocol
 import pandas as pd
 
 from harness.errors import UserError
+from harness.lock import owner_alive, staging_held
 from harness.run import runner
 from harness.run.config import RunConfig
 from harness.run.folder import RunFolder, RunPaths, UnreadableResults, read_summary, run_key_of
-from harness.run.lock import owner_alive, staging_held
 from trainers.config import TrainConfig
 from trainers.registry import METHODS, option_names
 

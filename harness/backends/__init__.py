@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,13 +25,16 @@ class Capabilities:
     link_check: bool
     # Its ranks are processes on this host's CPU cores (so more ranks than cores share them).
     ranks_share_host_cpus: bool
+    # The optional package its module needs (an extra of this project), and its module's
+    # `unavailable_reason(world_size, gpus)`, which says why it cannot run here; None: it needs nothing more.
+    extra: str | None = None
 
 
 CAPABILITIES = {
     "netns": Capabilities(userspace_delay_line=True, link_faults=True, link_check=True, ranks_share_host_cpus=True),
     # Containers on a GPU host: their link is netem-only, shaped from the host; ranks own GPUs.
     "docker": Capabilities(
-        userspace_delay_line=False, link_faults=False, link_check=False, ranks_share_host_cpus=False
+        userspace_delay_line=False, link_faults=False, link_check=False, ranks_share_host_cpus=False, extra="docker"
     ),
 }
 # What --backend accepts.
@@ -45,14 +49,14 @@ def capabilities(name: str) -> Capabilities:
 
 def unavailable_reason(name: str, world_size: int, gpus: str = "auto") -> str | None:
     """Why backend `name` cannot run `world_size` ranks here, in one sentence naming the fix; None when it can."""
-    capabilities(name)
-    if name != "docker":
+    extra = capabilities(name).extra
+    if extra is None:
         return None
     try:
-        from harness.backends.docker import unavailable_reason as docker_unavailable
+        module = importlib.import_module(f"harness.backends.{name}")
     except ImportError:
-        return "the docker backend needs the docker SDK; pip install 'harness[docker]'"
-    return docker_unavailable(world_size, gpus)
+        return f"the {name} backend needs the {extra} SDK; pip install 'harness[{extra}]'"
+    return module.unavailable_reason(world_size, gpus)
 
 
 class Worker(Protocol):

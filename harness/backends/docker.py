@@ -39,11 +39,11 @@ from pyroute2 import IPRoute, NetNS
 
 import harness
 from harness.errors import UserError
+from harness.lock import RUN_KEY, owner_alive
 from harness.net.counters import interface_counters
 from harness.net.link import Profile
 from harness.net.shaping import apply_link_spec, read_qdiscs
 from harness.net.topology import Topology
-from harness.run.lock import RUN_KEY, owner_alive
 
 DEFAULT_IMAGE = "harness-worker:dev"
 IMAGE_ENV = "HARNESS_DOCKER_IMAGE"
@@ -403,7 +403,7 @@ def cleanup(run_key: str | None = None) -> tuple[list[str], list[str]]:
     """Remove the containers and networks of runs whose harness died without tearing down (SIGKILL); returns the
     names of the containers and of the networks removed.
 
-    Only objects labelled with a run key are considered. Ownership decides (harness/run/lock.py): a run's objects are
+    Only objects labelled with a run key are considered. Ownership decides (harness/lock.py): a run's objects are
     removed when its lock file exists and is free (its owner is dead), kept when the lock is held; a run without a
     lock file (a harness of an older version) is kept while its owner pid label names a harness process that was
     running when the objects were made. With `run_key`, only that run's.

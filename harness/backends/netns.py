@@ -38,12 +38,12 @@ from pathlib import Path
 
 from pyroute2 import NetNS, netns
 
+from harness.lock import owner_alive
 from harness.net.counters import interface_counters
 from harness.net.delayline import TAP_PREFIX
 from harness.net.link import Profile
 from harness.net.shaping import apply_link_spec, change_link_rate, read_qdiscs
 from harness.net.topology import Topology
-from harness.run.lock import owner_alive
 
 NETNS_DIR = Path(netns.NETNS_RUN_DIR)
 # The names this backend gives its namespaces: the run key ("hx" + 6 hex digits), then the switch or a cluster.
@@ -153,7 +153,7 @@ class NetnsCluster:
         self.setup_s = time.perf_counter() - started
 
     def _start_delay_line(self, cluster: int) -> None:
-        # The cluster's own hop: the inter_cluster link's half, or the site's (harness/net/profiles.py).
+        # The cluster's own hop: the inter_cluster link's half, or the site's (harness/net/link.py).
         spec = self.profile.uplink(cluster)
         argv = [
             sys.executable, "-m", "harness.net.delayline", "--run-key", self.key,
@@ -306,7 +306,8 @@ def _stop_delay_lines(run_key: str, switch_namespaces: list[Path]) -> None:
                 argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"harness.net.delayline" in argv and run_key.encode() in argv:
+            # harness.delayline is the module's name before harness/ was grouped into net/, run/, analysis/.
+            if {b"harness.net.delayline", b"harness.delayline"} & set(argv) and run_key.encode() in argv:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -318,7 +319,7 @@ def cleanup(run_key: str | None = None, not_checked: list[str] | None = None) ->
 
     Ownership decides, not emptiness (a run's switch namespace never has a process, nor do its cluster namespaces
     before the workers start): a run's namespaces, all of them, are removed when its lock file exists and is free
-    (harness/run/lock.py: its owner is dead), or when it has no lock file (a harness of an older version) and no
+    (harness/lock.py: its owner is dead), or when it has no lock file (a harness of an older version) and no
     process lives in any of them. A run whose lock is held is never touched. With `run_key`, only that run's.
 
     /run/netns is root's: another user cannot tell whether their run lives nor remove them, so they are skipped and

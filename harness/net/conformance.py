@@ -6,7 +6,7 @@ pair of samples is such a window. The worst window's excess is
 
     link_max_excess = max over clusters and sample pairs i < j of  (bytes_j - bytes_i) / (R (t_j - t_i) / 8 + B_ref)
 
-where B_ref is the rate-true burst for R (`harness.net.profiles.default_burst_bytes`: a few milliseconds of line
+where B_ref is the rate-true burst for R (`harness.net.link.default_burst_bytes`: a few milliseconds of line
 time), not the profile's own burst: a profile whose burst is larger lets a payload run ahead of the rate (256 KiB
 at 4 Mbit/s is half a second of line time), which is exactly what this check exists to flag. A value <= 1.02
 conforms (2% for the counters' framing and the sampling's timing); a larger one means the link was not the

@@ -10,7 +10,7 @@ they are written into the TAP device, which is the bridge's port for this cluste
 the cluster are read from the TAP and, after their delay, sent out of the veth's switch end. tbf on both veth ends
 still sets the rate: a frame is delayed after it left the sender's queue and before it enters the receiver's.
 
-Each hop carries half of the profile's one-way delay, jitter and (composed) loss (harness/net/profiles.py: `hop_*`), so
+Each hop carries half of the profile's one-way delay, jitter and (composed) loss (harness/net/link.py: `hop_*`), so
 the path between two clusters, which crosses two links, has the profile's. Without loss, frames cross as the kernel
 made them: a TCP segmentation (GSO) frame of up to 64 KiB passes in one piece, described by its virtio-net header,
 which keeps the per-frame cost of Python off the rate. With loss, the backend caps the cluster uplinks' GSO at one
@@ -34,10 +34,12 @@ import fcntl
 import heapq
 import json
 import os
+import pwd
 import random
 import selectors
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -65,9 +67,56 @@ READ_BATCH = 64
 SOCKET_BUFFER_BYTES = 8 * 1024 * 1024
 
 
+TUN_DEVICE = "/dev/net/tun"
+
+
+def tun_unavailable_reason() -> str | None:
+    """Why the userspace delay line cannot open the TUN device as this user, in one sentence naming the fix; None
+    when it can. Opened for real: inside the harness's user namespace the host's permissions still apply, so a
+    device only root may open (mode 0600) fails the delay line after the cluster is built."""
+    try:
+        os.close(os.open(TUN_DEVICE, os.O_RDWR | os.O_CLOEXEC))
+    except FileNotFoundError:
+        return (
+            f"the userspace delay line needs TUN/TAP ({TUN_DEVICE}), which this machine lacks; load it (modprobe tun) "
+            "or use a kernel with sch_netem"
+        )
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM):
+            return (
+                f"the userspace delay line cannot open {TUN_DEVICE} ({err.strerror}); load TUN/TAP (modprobe tun) or "
+                "use a kernel with sch_netem"
+            )
+        return (
+            f"the userspace delay line needs to open {TUN_DEVICE} read-write, which user {_user()} may not "
+            f"({_mode(TUN_DEVICE)}); run as root, give this user access to it (e.g. chmod 0666 {TUN_DEVICE}, as most "
+            "distributions ship it), or use a kernel with sch_netem"
+        )
+    return None
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def _mode(path: str) -> str:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return "not readable"
+    try:
+        owner = pwd.getpwuid(info.st_uid).pw_name
+    except KeyError:
+        owner = str(info.st_uid)
+    return f"mode {stat.filemode(info.st_mode)}, owner {owner}"
+
+
 def open_tap(name: str) -> int:
     """Create TAP device `name` in this process's namespace; returns its descriptor (the device lives as long)."""
-    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fd = os.open(TUN_DEVICE, os.O_RDWR | os.O_NONBLOCK)
     fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR))
     # Take checksum-less and TCP-segmentation-offloaded frames as they are: the virtio-net header describes them and
     # the kernel finishes them where they leave, so a GSO frame crosses here in one piece.

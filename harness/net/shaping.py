@@ -9,12 +9,8 @@ delay, jitter and loss, and this module sets only the rate. Nothing here degrade
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
-import os
-import pwd
-import stat
 import subprocess
 import sys
 
@@ -59,53 +55,6 @@ def probe_qdiscs(userns: bool) -> dict[str, bool]:
         return json.loads(out)
     except (subprocess.SubprocessError, OSError, json.JSONDecodeError):
         return {kind: False for kind in (*PROBED_QDISCS, "ifb")}
-
-
-TUN_DEVICE = "/dev/net/tun"
-
-
-def tun_unavailable_reason() -> str | None:
-    """Why the userspace delay line cannot open the TUN device as this user, in one sentence naming the fix; None
-    when it can. Opened for real: inside the harness's user namespace the host's permissions still apply, so a
-    device only root may open (mode 0600) fails the delay line after the cluster is built."""
-    try:
-        os.close(os.open(TUN_DEVICE, os.O_RDWR | os.O_CLOEXEC))
-    except FileNotFoundError:
-        return (
-            f"the userspace delay line needs TUN/TAP ({TUN_DEVICE}), which this machine lacks; load it (modprobe tun) "
-            "or use a kernel with sch_netem"
-        )
-    except OSError as err:
-        if err.errno not in (errno.EACCES, errno.EPERM):
-            return (
-                f"the userspace delay line cannot open {TUN_DEVICE} ({err.strerror}); load TUN/TAP (modprobe tun) or "
-                "use a kernel with sch_netem"
-            )
-        return (
-            f"the userspace delay line needs to open {TUN_DEVICE} read-write, which user {_user()} may not "
-            f"({_mode(TUN_DEVICE)}); run as root, give this user access to it (e.g. chmod 0666 {TUN_DEVICE}, as most "
-            "distributions ship it), or use a kernel with sch_netem"
-        )
-    return None
-
-
-def _user() -> str:
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return str(os.getuid())
-
-
-def _mode(path: str) -> str:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return "not readable"
-    try:
-        owner = pwd.getpwuid(info.st_uid).pw_name
-    except KeyError:
-        owner = str(info.st_uid)
-    return f"mode {stat.filemode(info.st_mode)}, owner {owner}"
 
 
 def _tbf_kwargs(spec: LinkSpec) -> dict:

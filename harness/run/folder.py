@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
-from harness.run.lock import RUN_KEY
+from harness.lock import RUN_KEY
 
 DEFAULT_RUNS_DIR = Path("results") / "runs"
 # A folder holding one is a finished run: it is written last.

@@ -20,14 +20,15 @@ from typing import Any
 
 from harness.backends import ClusterBackend, Worker, capabilities, make_backend, unavailable_reason
 from harness.errors import UserError
+from harness.lock import RunLock
+from harness.net.delayline import tun_unavailable_reason
 from harness.net.linkprobe import LinkCheckFailed, check_link
-from harness.net.shaping import probe_qdiscs, tun_unavailable_reason
+from harness.net.shaping import probe_qdiscs
 from harness.net.topology import Topology
 from harness.run.config import RunConfig
 from harness.run.events import EventTail
 from harness.run.faults import FaultInjector
-from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, read_events
-from harness.run.lock import RunLock
+from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, UnreadableResults, read_events
 from harness.run.summary import environment, summarize
 from harness.units import format_rate
 
@@ -163,9 +164,17 @@ def _describe_exit(rank: int, code: int, topology: Topology, run_dir: Path) -> s
     where = _where(rank, topology)
     if code < 0:
         return f"{where} was killed by {signal.Signals(-code).name}"
-    errors = [e for e in read_events(run_dir, rank) if e["kind"] == "error"]
+    errors = _error_events(run_dir, rank)
     reason = f": {errors[-1]['error']}" if errors else f"; see {RunPaths(run_dir).log(rank).relative_to(run_dir)}"
     return f"{where} exited with code {code}{reason}"
+
+
+def _error_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    """The errors a rank logged; none where its events cannot be read (the summary then says why)."""
+    try:
+        return [e for e in read_events(run_dir, rank) if e["kind"] == "error"]
+    except UnreadableResults:
+        return []
 
 
 def _where(rank: int, topology: Topology) -> str:
@@ -431,7 +440,7 @@ def _first_failure(procs: dict[int, Worker], topology: Topology, run_dir: Path) 
     def first_sign(rank: int) -> float:
         if failed[rank] < 0:
             return -math.inf
-        errors = [e["t"] for e in read_events(run_dir, rank) if e["kind"] == "error"]
+        errors = [e["t"] for e in _error_events(run_dir, rank)]
         return min(errors, default=math.inf)
 
     cause = min(failed, key=lambda rank: (first_sign(rank), rank))

@@ -15,11 +15,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from harness.lock import _host_uid
 from harness.net.conformance import conforms, max_excess
 from harness.net.link import default_burst_bytes
 from harness.run.config import RunConfig
-from harness.run.folder import read_events, read_rank_result
-from harness.run.lock import _host_uid
+from harness.run.folder import UnreadableResults, read_events, read_rank_result
 from trainers.models import count_parameters, get_model_config
 
 SUMMARY_SCHEMA = 1
@@ -251,7 +251,12 @@ def _outcome(records: _Records) -> dict[str, Any]:
 
 def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_record: dict[str, Any]) -> dict:
     """summary.json: the run's headline figures, from the ranks' results and events."""
-    records = _Records.read(config, run_dir)
+    try:
+        records = _Records.read(config, run_dir)
+    except UnreadableResults as err:
+        # The run's own folder: whatever damaged it, teardown still writes a summary, failed and saying why.
+        records = _Records(config, {}, {rank: [] for rank in range(config.clusters * config.stages)})
+        failure = f"{failure}; {err}" if failure else str(err)
     world = config.clusters * config.stages
     status = "ok" if failure is None and len(records.ranks) == world else "failed"
     if status == "failed" and failure is None:

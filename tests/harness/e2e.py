@@ -1,7 +1,7 @@
 """Helpers for the end-to-end tests: run the harness CLI as a subprocess and read what a run wrote.
 
-Shared by tests/harness/test_run_e2e.py (netns backend) and tests/harness/test_docker_backend.py. Importing this
-module does nothing else: no skip, no engine, no namespace.
+Shared by tests/harness/run/test_run_e2e.py (netns backend) and tests/harness/backends/test_docker_backend.py.
+Importing this module does nothing else: no skip, no engine, no namespace.
 """
 
 from __future__ import annotations

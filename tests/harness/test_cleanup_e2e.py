@@ -19,7 +19,7 @@ import pytest
 from pyroute2 import netns
 
 import harness
-from harness.run.lock import ROOT_LOCK_DIR, RunLock, owner_alive
+from harness.lock import ROOT_LOCK_DIR, RunLock, owner_alive
 from tests.harness.e2e import HARNESS, SMALL_RUN, run_marker, summary_of, wait_for_steps
 from tests.harness.e2e import harness as run_harness
 from tests.harness.hoststate import leftovers, snapshot, worker_pids
@@ -33,7 +33,7 @@ if os.geteuid() != 0:
 
 NOT_WIRED = (
     "harness run holds no run lock: harness/run/runner.py must take RunLock(config.run_key) before it creates anything "
-    "(see harness/run/lock.py)"
+    "(see harness/lock.py)"
 )
 REPO = Path(harness.__file__).resolve().parent.parent
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -118,7 +118,7 @@ def new_key():
 HOLD_AND_BUILD = (
     "import sys, time\n"
     "from pyroute2 import netns\n"
-    "from harness.run.lock import RunLock\n"
+    "from harness.lock import RunLock\n"
     "RunLock(sys.argv[1]).acquire()\n"
     "for name in sys.argv[2:]:\n"
     "    netns.create(name)\n"
@@ -226,7 +226,7 @@ def _nobody_can_run_the_harness() -> str | None:
     if shutil.which("setpriv") is None:
         return "setpriv (util-linux) is not installed"
     probe = subprocess.run(
-        [*NOBODY, sys.executable, "-c", "import harness.cli, harness.run.lock"],
+        [*NOBODY, sys.executable, "-c", "import harness.cli, harness.lock"],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -6,14 +6,14 @@ import errno
 import os
 
 import harness.doctor as doctor
-from harness.net import shaping
+from harness.net import delayline
 
 
 def test_a_tun_device_this_user_cannot_open_is_a_no_with_the_fix(monkeypatch):
     real_open = os.open
 
     def open_(path, flags, *args, **kwargs):
-        if os.fspath(path) == shaping.TUN_DEVICE:
+        if os.fspath(path) == delayline.TUN_DEVICE:
             raise PermissionError(errno.EACCES, "Permission denied", path)
         return real_open(path, flags, *args, **kwargs)
 

@@ -26,10 +26,10 @@ from harness.analysis.sweep import (
     run_sweep,
 )
 from harness.analysis.tables import load_runs
+from harness.lock import RunLock
 from harness.net.profiles import load_profile
 from harness.run import runner
 from harness.run.folder import RunFolder
-from harness.run.lock import RunLock
 from harness.userns import user_namespaces_work
 from tests.harness.fakeruns import damage, write_run
 

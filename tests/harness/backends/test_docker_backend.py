@@ -20,7 +20,7 @@ import pytest
 
 from harness.cleanup import cleanup as cleanup_runs
 from harness.errors import UserError
-from harness.run.lock import owner_alive
+from harness.lock import owner_alive
 from tests.harness.e2e import SMALL_RUN, harness, run_marker, summary_of, wait_for_steps
 from tests.harness.hoststate import leftovers, snapshot
 
@@ -197,7 +197,7 @@ def test_cleanup_removes_what_a_killed_harness_left(tmp_path, client, start_long
     assert sorted(cleanup(run_key)) == left
     assert_nothing_left(client, before, out)
     # The backend's cleanup removes containers and networks; the dead run's lock file and staging folder are
-    # `harness cleanup`'s (harness/run/lock.py), which this test leaves no less clean than it found.
+    # `harness cleanup`'s (harness/lock.py), which this test leaves no less clean than it found.
     report = cleanup_runs(run_key, [out.parent])
     assert report.containers == [] and report.partial_folders == [out.parent / f".{out.name}.partial"]
     assert owner_alive(run_key) is None

@@ -202,7 +202,7 @@ def keys():
     namespaces of its keys removed, their lock files removed once free."""
     from pyroute2 import netns
 
-    from harness.run.lock import ROOT_LOCK_DIR, owner_alive
+    from harness.lock import ROOT_LOCK_DIR, owner_alive
 
     made: list[str] = []
     clusters: list = []
@@ -251,8 +251,8 @@ def userspace_cluster(keys, profile: str, log_dir: Path, seed: int = 0):
 @pytest.mark.e2e
 @e2e
 def test_a_lossy_wan_through_the_delay_line_measures_as_the_profile_and_leaves_nothing(keys, tmp_path):
+    from harness.lock import RunLock
     from harness.net.linkprobe import check_link
-    from harness.run.lock import RunLock
 
     key, topology, cluster = userspace_cluster(keys, LOSS_PROFILE, tmp_path)
     spec = cluster.profile.inter_cluster
@@ -301,7 +301,7 @@ def test_a_lossy_wan_through_the_delay_line_measures_as_the_profile_and_leaves_n
 @pytest.mark.e2e
 @e2e
 def test_a_killed_delay_line_is_named_by_vanished_and_down_still_removes_everything(keys, tmp_path):
-    from harness.run.lock import RunLock
+    from harness.lock import RunLock
 
     key, _, cluster = userspace_cluster(keys, PROFILE, tmp_path)
     with RunLock(key):
@@ -328,7 +328,7 @@ CHILD = (
     "import sys, time\n"
     "from pathlib import Path\n"
     "from harness.backends.netns import NetnsCluster\n"
-    "from harness.run.lock import RunLock\n"
+    "from harness.lock import RunLock\n"
     "from harness.net.profiles import load_profile\n"
     "from harness.net.topology import Topology\n"
     "key, profile, log_dir, lock = sys.argv[1:5]\n"
@@ -362,7 +362,7 @@ def start_child(keys, key: str, log_dir: Path, lock: bool) -> list[int]:
 @e2e
 def test_delay_lines_die_with_a_killed_harness_and_cleanup_removes_the_rest(keys, tmp_path):
     from harness.backends.netns import cleanup
-    from harness.run.lock import owner_alive
+    from harness.lock import owner_alive
 
     key = keys()
     start_child(keys, key, tmp_path, lock=False)
@@ -385,7 +385,7 @@ def test_cleanup_kills_a_delay_line_that_outlived_its_dead_run(keys, tmp_path):
     """A delay line whose parent-death signal did not fire (here: its parent is this test, alive) must not keep a
     dead run's namespaces: cleanup SIGKILLs the delay lines of that run key in its switch namespace."""
     from harness.backends.netns import cleanup
-    from harness.run.lock import owner_alive
+    from harness.lock import owner_alive
 
     key, other = keys(), keys()
     start_child(keys, key, tmp_path, lock=True)

@@ -1,7 +1,7 @@
 """The netem link emulator on a kernel that has sch_netem: each cluster link carries half of the profile's one-way
 delay and the loss that composes to the profile's over two links, under tbf, and the link check measures the
 profile's RTT. Skipped, with the reason, where the kernel has no sch_netem (this project's machines: the userspace
-delay line covers them, tests/harness/test_delayline.py)."""
+delay line covers them, tests/harness/net/test_delayline.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import secrets
 import pytest
 
 from harness.backends.netns import NetnsCluster
+from harness.lock import RunLock
 from harness.net.linkprobe import check_link
 from harness.net.profiles import load_profile
 from harness.net.shaping import probe_qdiscs
 from harness.net.topology import Topology
-from harness.run.lock import RunLock
 from tests.harness.hoststate import netns_names
 
 pytestmark = pytest.mark.e2e

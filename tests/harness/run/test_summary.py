@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness.run.summary import environment
+from harness.run.summary import environment, summarize
 
 REPO = Path(harness.__file__).resolve().parent.parent
 
@@ -51,3 +51,19 @@ def test_a_run_in_a_user_namespace_records_the_commit_and_the_hosts_uid():
     assert recorded["git_commit"] == head
     assert recorded["git_dirty"] is not None
     assert (recorded["euid"], recorded["host_uid"]) == (0, 65534)
+
+
+def test_a_run_whose_events_are_damaged_still_gets_a_failed_summary_naming_the_file(tmp_path):
+    """The runner's teardown summarizes its own folder: an unreadable events line must not cost the summary."""
+    from harness.run.config import RunConfig
+    from harness.run.folder import RunPaths
+    from tests.harness.fakeruns import write_run
+
+    run = write_run(tmp_path, "r")
+    paths = RunPaths(run)
+    lines = paths.events(0).read_text().splitlines()
+    lines[1] = "[1, 2]"
+    paths.events(0).write_text("\n".join(lines) + "\n")
+    summary = summarize(RunConfig.load(paths.config), run, None, {})
+    assert summary["status"] == "failed"
+    assert str(paths.events(0)) in summary["failure"] and "line 2" in summary["failure"]

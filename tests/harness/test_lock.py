@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from harness import lock as run_lock
 from harness.cleanup import CleanupReport, cleanup, stale_partials
 from harness.errors import UserError
-from harness.run import lock as run_lock
-from harness.run.lock import RunKeyInUse, RunLock, owner_alive
+from harness.lock import RunKeyInUse, RunLock, owner_alive
 
 HOLD = (
     "import sys, time\n"
     "from pathlib import Path\n"
-    "from harness.run.lock import RunLock\n"
+    "from harness.lock import RunLock\n"
     "RunLock(sys.argv[1], staging=Path(sys.argv[2]) if len(sys.argv) > 2 else None).acquire()\n"
     "print('held', flush=True)\n"
     "time.sleep(600)\n"
