@@ -189,12 +189,13 @@ def test_cleanup_removes_what_a_killed_harness_left(tmp_path, client, start_long
     proc = start_long_run(out)
     wait_for_steps(out, 0, 1, proc)
     run_key = run_key_of(out)
-    assert cleanup(run_key) == []  # the harness still lives: its run is not touched
+    assert cleanup(run_key) == ([], [])  # the harness still lives: its run is not touched
     proc.kill()
     proc.communicate()
     left = sorted(docker_leftovers(client, run_key))
     assert left == sorted([f"{run_key}-{name}" for name in ("net", "c0", "c1", "r0", "r1")])
-    assert sorted(cleanup(run_key)) == left
+    containers, networks = cleanup(run_key)
+    assert networks == [f"{run_key}-net"] and sorted(containers + networks) == left
     assert_nothing_left(client, before, out)
     # The backend's cleanup removes containers and networks; the dead run's lock file and staging folder are
     # `harness cleanup`'s (harness/lock.py), which this test leaves no less clean than it found.
