@@ -40,13 +40,20 @@ class Metric:
     relative_to: str | None = None  # tokens/s over this method's (the same profile's runs)
     upper_only: bool = False
     summary_key: str = "tokens_per_s"
+    # Whether `harness baseline` writes a band for it; a band given by hand is checked either way.
+    derived: bool = True
 
 
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
         Metric("utilisation", 0.35, 1.0, "could not catch a halving of its throughput", relative_to=CEILING),
-        Metric("ratio", 0.9, math.inf, "", relative_to=BASELINE),
+        # Not derived: the ratio to AllReduce moves with the machine's compute speed (AllReduce is link-bound here,
+        # the others compute-bound). The gate's own runs measured cocktail at 3.12x AllReduce when local ran at
+        # 27,282 tokens/s and 1.54x on a day it ran at 13,224 (same code): a band wide enough for both catches
+        # nothing, one narrow enough to catch a regression fails on a slower machine. Utilisation (over local's in
+        # the same check) holds the throughput instead.
+        Metric("ratio", 0.9, math.inf, "", relative_to=BASELINE, derived=False),
         Metric("wire_bytes_per_token", 0.1, 1.0, "could not catch twice the bytes", summary_key="wire_bytes_per_token"),
         Metric(
             "final_val_loss",

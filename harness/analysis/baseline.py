@@ -178,6 +178,8 @@ def derive_baseline(results: Path) -> Derived:
         tokens = values(method, profile, "tokens_per_s")
         syncs = values(method, profile, "sync_count")
         for name, metric in METRICS.items():
+            if not metric.derived:
+                continue
             if name == "wire_bytes_per_token" and not (syncs and statistics.median(syncs) > 0):
                 continue  # a method that never synchronizes sends only connection set-up bytes
             if metric.relative_to is not None:
@@ -268,7 +270,7 @@ def baseline_text(derived: Derived, out: Path) -> str:
     baseline = derived.baseline
     commands = [*sweep_command(baseline, derived.results)]
     commands.append(shlex.join(["harness", "baseline", derived.results, "--out", str(out)]))
-    floors = ", ".join(f"{m.name} {m.floor:g}" for m in METRICS.values())
+    floors = ", ".join(f"{m.name} {m.floor:g}" for m in METRICS.values() if m.derived)
     lines = [
         f"# The CI gate: `harness check --baseline {out}` (.ci/run runs it after the tests).",
         f"# Written by `harness baseline` from the runs in {derived.results}. Regenerate it, runs and all, with:",
@@ -279,13 +281,13 @@ def baseline_text(derived: Derived, out: Path) -> str:
     if derived.machine:
         lines += [f"# The runs were measured on: {derived.machine}.", "#"]
     lines += [
-        "# Each band: reference = the median over the repeats (utilisation: tokens/s over local's; ratio: over",
-        "# allreduce's; each a quotient of medians); spread = (max - min) / median over the repeats (for a quotient,",
-        f"# both sides' spreads root-sum-squared); tolerance = max(floor, {TOLERANCE_K:g} x spread), floors:",
+        "# Each band: reference = the median over the repeats (utilisation: tokens/s over local's, a quotient of",
+        "# medians); spread = (max - min) / median over the repeats (for a quotient, both sides' spreads",
+        f"# root-sum-squared); tolerance = max(floor, {TOLERANCE_K:g} x spread), floors:",
         f"# {floors}.",
         "# A band holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance); final_val_loss",
         "# has only the upper bound. Each line's comment shows its band. Why these floors and K = 3: the docstring",
-        "# of harness/analysis/gate.py.",
+        "# of harness/analysis/gate.py; why no band on the ratio to allreduce: harness/analysis/bands.py.",
         "run:",
     ]
     lines += [f"  {key}: {_flow(value)}" for key, value in baseline.settings.items()]

@@ -22,16 +22,16 @@ def test_baseline_has_two_sided_bands_from_the_medians_and_the_spread(reference)
     bands = {(c.method, b.metric): b for c in baseline.checks for b in c.bands}
     assert set(bands) == {
         ("allreduce", "wire_bytes_per_token"), ("allreduce", "final_val_loss"), ("local", "final_val_loss"),
-        *((m, metric) for m in ("dilocox", "opendiloco", "cocktail") for metric in METRICS),
+        *((m, metric) for m in ("dilocox", "opendiloco", "cocktail") for metric in METRICS if METRICS[metric].derived),
     }  # fmt: skip
+    # The ratio to allreduce moves with the machine's compute speed: reported by check only where a band is given.
+    assert not METRICS["ratio"].derived and not any(metric == "ratio" for _, metric in bands)
     # utilisation: the quotient of the medians; its spread both sides' (max - min) / median, root-sum-squared.
     util = bands[("dilocox", "utilisation")]
     assert util.reference == pytest.approx(10100 / 10500, rel=1e-3)
     side = (1.03 - 0.96) / 1.0
     assert util.spread == pytest.approx((2 * side**2) ** 0.5, rel=1e-2)
     assert util.tolerance == pytest.approx(max(METRICS["utilisation"].floor, TOLERANCE_K * util.spread), abs=1e-3)
-    assert bands[("cocktail", "ratio")].reference == pytest.approx(4800 / 4180, rel=1e-3)
-    assert bands[("cocktail", "ratio")].tolerance == METRICS["ratio"].floor
     wire = bands[("opendiloco", "wire_bytes_per_token")]
     assert wire.reference == pytest.approx(700, rel=1e-3) and wire.tolerance == METRICS["wire_bytes_per_token"].floor
     loss = bands[("opendiloco", "final_val_loss")]
