@@ -180,13 +180,41 @@ def calibrate(ctx, profile, clusters, out, backend, link_emulator):
             soft_wrap=True,
         )
         sys.exit(1)
-    busbw, rate = summary["link_busbw_bps"], summary["link_rate_bps"]
-    ratio = f" = {busbw / rate:.3f} of the configured rate" if rate else ""
-    print_text(
-        f"profile {summary['profile']}: all-reduce busbw {format_rate(busbw)} across {clusters} clusters, "
-        f"configured {format_rate(rate) if rate else 'unshaped'}{ratio}"
-    )
+    for line in calibration_lines(summary):
+        print_text(line)
     print_text(f"results: {summary['results_dir']}")
+
+
+def calibration_lines(summary: dict[str, Any]) -> list[str]:
+    """What `harness calibrate` measured: the ring and single streams against the rate, TCP's retransmits, the
+    queue, and the round trip idle and behind full queues."""
+    rate = summary["link_rate_bps"]
+
+    def share(bps: float | None) -> str:
+        if bps is None:
+            return "n/a"
+        return f"{format_rate(bps)}" + (f" = {bps / rate:.3f} of the rate" if rate else "")
+
+    def fraction(value: float | None) -> str:
+        return "unknown" if value is None else f"{value:.2%}"
+
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.3g} ms"
+
+    queue = summary.get("link_queue_bytes")
+    queue_text = f"{queue // 1024} KiB ({summary['link_queue_delay_ms']:.0f} ms at the rate)" if queue else "none"
+    streams = summary.get("link_single_stream_bps") or []
+    return [
+        f"profile {summary['profile']}: {format_rate(rate) if rate else 'unshaped'}, queue {queue_text}, "
+        f"{summary['clusters']} clusters",
+        f"  ring all-reduce   busbw {share(summary['link_busbw_bps'])}; TCP retransmitted "
+        f"{fraction(summary.get('tcp_retransmit_fraction'))} of segments",
+        "  single streams    "
+        + ", ".join(f"{d} {share(bps)}" for d, bps in zip(("0->1", "1->0"), streams, strict=False))
+        + f"; TCP retransmitted {fraction(summary.get('link_single_stream_retransmit_fraction'))} of segments",
+        f"  round trip        idle {ms(summary.get('link_rtt_ms'))}, loaded both ways "
+        f"{ms(summary.get('link_loaded_rtt_ms'))}",
+    ]
 
 
 def _exit_code(summary: dict[str, Any]) -> int:

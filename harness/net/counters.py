@@ -37,6 +37,12 @@ def tcp_counters() -> dict[str, int]:
     Retransmitted segments cross the link again, and the wire counters count them: they explain wire bytes above
     the method's payload.
     """
-    lines = [line.split() for line in open("/proc/self/net/snmp") if line.startswith("Tcp:")]
+    with open("/proc/self/net/snmp") as snmp:
+        return parse_tcp_snmp(snmp.read())
+
+
+def parse_tcp_snmp(text: str) -> dict[str, int]:
+    """The Tcp: lines of /proc/net/snmp (a header line of names, then one of values) as a mapping."""
+    lines = [line.split() for line in text.splitlines() if line.startswith("Tcp:")]
     names, values = lines[0][1:], lines[1][1:]
     return {name: int(value) for name, value in zip(names, values, strict=True)}

@@ -6,8 +6,9 @@ and the intra-cluster link (between the pipeline stages of one site; unshaped by
 
 What a link's keys mean, between two clusters (sites):
 
-- ``rate``: the bandwidth each cluster gets onto the link, in each direction (``burst``, ``latency``: tbf's bucket
-  and queue bound).
+- ``rate``: the bandwidth each cluster gets onto the link, in each direction (``burst``: tbf's bucket).
+- ``queue``: the bottleneck's buffer, as a size (``2mb``) or as line time at the rate (``100ms``); by default the
+  bandwidth-delay product of the path, and never less than QUEUE_MIN_SEGMENTS GSO segments (``default_queue_bytes``).
 - ``delay``: the ONE-WAY delay between two clusters; the round-trip time is 2 x delay (``rtt_ms``). A profile with
   a 40 ms RTT says ``delay: 20ms``.
 - ``jitter``: how much the one-way delay varies (delay +- jitter); a round trip varies by up to 2 x jitter.
@@ -64,16 +65,22 @@ MIN_BURST_BYTES = 1514
 # "Rate-true shaping").
 BURST_LINE_TIME_S = 0.002
 GSO_SEGMENT_BYTES = 64 * 1024
+# The default queue: the path's bandwidth-delay product, what a well-run WAN bottleneck buffers, and at least this
+# many GSO segments: veths hand tbf whole 64 KiB segments, so a queue of one or two drops a whole segment (44
+# packets) whenever the next arrives early. Measured with a 12-step tiny AllReduce at 5.44 Mbit/s: tbf's old 50 ms
+# (34 KB plus the bucket) retransmitted 13-52% of TCP segments, 4 segments (256 KiB) 0.2% (docs/links.md, "The
+# queue").
+QUEUE_MIN_SEGMENTS = 4
 
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _SIZE_UNITS = {"b": 1, "kb": 1024, "k": 1024, "mb": 1024**2, "m": 1024**2, "gb": 1024**3}
 _TIME_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
-_LINK_KEYS = {"rate", "burst", "latency", "delay", "jitter", "loss", "reorder"}
+_LINK_KEYS = {"rate", "burst", "queue", "delay", "jitter", "loss", "reorder"}
 # No terrestrial or satellite path is slower one way (geostationary: ~280 ms one way, ~600 ms RTT); a larger delay
 # is almost certainly a unit mistake (2s for 2ms).
 MAX_DELAY_MS = 2000.0
 # A site's own access link: its rate in both directions, or up (from the site) and down (to it) apart.
-_SITE_KEYS = {"rate", "up", "down", "burst", "latency", "delay", "jitter", "loss"}
+_SITE_KEYS = {"rate", "up", "down", "burst", "queue", "delay", "jitter", "loss"}
 
 
 class ProfileError(UserError):
@@ -121,9 +128,9 @@ def tbf_buffer_ns(rate_bps: int, burst_bytes: int) -> int:
     return ticks * _NS_PER_TICK
 
 
-def tbf_limit_bytes(rate_bps: int, burst_bytes: int, latency_ms: float) -> int:
-    """tbf's queue limit as pyroute2 derives it from the latency: the bucket plus `latency_ms` of line time."""
-    return int(rate_bps / 8 * round(latency_ms * 1000) / 1e6 + burst_bytes)
+def default_queue_bytes(rate_bps: int, rtt_ms: float) -> int:
+    """The bandwidth-delay product of a path of `rtt_ms` at `rate_bps`, at least QUEUE_MIN_SEGMENTS GSO segments."""
+    return max(round(rate_bps / 8 * rtt_ms / 1000), QUEUE_MIN_SEGMENTS * GSO_SEGMENT_BYTES)
 
 
 def max_burst_bytes(rate_bps: int) -> int:
@@ -142,7 +149,7 @@ def max_burst_bytes(rate_bps: int) -> int:
     return burst
 
 
-def check_tbf(rate_bps: int | None, burst_bytes: int, latency_ms: float) -> None:
+def check_tbf(rate_bps: int | None, burst_bytes: int, queue_bytes: int) -> None:
     """Every number tbf is given fits the field it ends in (U32_MAX); refuses with the largest value that fits."""
     if rate_bps is None:
         return
@@ -154,17 +161,16 @@ def check_tbf(rate_bps: int | None, burst_bytes: int, latency_ms: float) -> None
             f"{format_rate(rate_bps)}, longer than the {MAX_TBF_BUCKET_S:.2f} s the kernel's tbf bucket holds (32 bits "
             f"of nanoseconds); use a burst of at most {max_burst_bytes(rate_bps) // 1024}kb at this rate"
         )
-    limit = tbf_limit_bytes(rate_bps, burst_bytes, latency_ms)
-    if limit > U32_MAX:
-        longest_ms = int((U32_MAX - burst_bytes) / (rate_bps / 8) * 1000)
-        fix = (
-            f"use a latency of at most {longest_ms} ms"
-            if longest_ms >= 0
-            else f"use a smaller burst (under {U32_MAX // 1024}kb with the latency)"
-        )
+    if queue_bytes > U32_MAX:
         raise ProfileError(
-            f"burst {burst_bytes:,} bytes plus {latency_ms:.10g} ms of queue at {format_rate(rate_bps)} is {limit:,} "
-            f"bytes, more than tbf's 32-bit queue limit holds ({U32_MAX:,} bytes); {fix}"
+            f"queue {queue_bytes:,} bytes ({queue_bytes * 8 / rate_bps:.3g} s at {format_rate(rate_bps)}) is more than "
+            f"tbf's 32-bit queue limit holds ({U32_MAX:,} bytes); use a queue of at most {U32_MAX // 1024**2}mb"
+        )
+    if queue_bytes < GSO_SEGMENT_BYTES:
+        raise ProfileError(
+            f"queue {queue_bytes:,} bytes is less than one {GSO_SEGMENT_BYTES // 1024} KiB GSO segment, the unit in "
+            f"which veths hand TCP to tbf: every full segment would be dropped; use a queue of at least "
+            f"{GSO_SEGMENT_BYTES // 1024}kb"
         )
 
 
@@ -177,6 +183,20 @@ def parse_size_bytes(value: object) -> int:
 
 def parse_time_ms(value: object, what: str = "time") -> float:
     return _parse(value, _TIME_UNITS, what, "20ms", signed=True)
+
+
+def parse_queue(value: object, what: str) -> dict[str, float]:
+    """`queue: 2mb` or `queue: 100ms` -> the LinkSpec field it sets (the other one cleared, so a site's queue
+    replaces the inter_cluster link's whichever way each was written)."""
+    text = str(value).strip().lower()
+    if re.fullmatch(r"[0-9.e]+\s*(us|ms|s)", text):
+        return {"queue_ms": parse_time_ms(value, what), "queue_size_bytes": None}
+    try:
+        return {"queue_size_bytes": parse_size_bytes(value), "queue_ms": None}
+    except ProfileError:
+        raise ProfileError(
+            f"{what} {value!r} is not understood; write a size (e.g. 2mb, 512kb) or line time at the rate (e.g. 100ms)"
+        ) from None
 
 
 def parse_loss_pct(value: object) -> float:
@@ -193,8 +213,10 @@ class LinkSpec:
     rate_bps: int | None = None
     # None: derived from the rate (default_burst_bytes); a profile's `burst` overrides it.
     burst_bytes: int | None = None
-    # tbf's queue bound, expressed as the longest a packet may wait; 50 ms held the rate well here.
-    latency_ms: float = 50.0
+    # The bottleneck's buffer as the profile gave it, a size or line time at the rate (at most one of them); neither:
+    # default_queue_bytes. `queue_bytes` is what tbf gets.
+    queue_size_bytes: int | None = None
+    queue_ms: float | None = None
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
@@ -206,7 +228,24 @@ class LinkSpec:
             derived = default_burst_bytes(self.rate_bps) if self.rate_bps is not None else 0
             object.__setattr__(self, "burst_bytes", derived)
         check_burst(self.rate_bps, self.burst_bytes, f"{self.burst_bytes}b")
-        check_tbf(self.rate_bps, self.burst_bytes, self.latency_ms)
+        if self.rate_bps is not None:
+            check_tbf(self.rate_bps, self.burst_bytes, self.queue_bytes)
+
+    @property
+    def queue_bytes(self) -> int | None:
+        """The bytes that may wait in the shaper (tbf's limit); None without a rate."""
+        if self.rate_bps is None:
+            return None
+        if self.queue_size_bytes is not None:
+            return self.queue_size_bytes
+        if self.queue_ms is not None:
+            return round(self.rate_bps / 8 * self.queue_ms / 1000)
+        return default_queue_bytes(self.rate_bps, self.rtt_ms)
+
+    @property
+    def queue_delay_ms(self) -> float | None:
+        """How long a full queue takes to drain: what it adds to the RTT of a packet behind it."""
+        return None if self.rate_bps is None else self.queue_bytes * 8 / self.rate_bps * 1000
 
     @property
     def needs_netem(self) -> bool:
@@ -242,7 +281,10 @@ class LinkSpec:
         parts = []
         if self.rate_bps is not None:
             line_time_ms = self.burst_bytes * 8 / self.rate_bps * 1000
-            parts.append(f"{format_rate(self.rate_bps)} (burst {self.burst_bytes // 1024} KiB = {line_time_ms:.1f} ms)")
+            parts.append(
+                f"{format_rate(self.rate_bps)} (burst {self.burst_bytes // 1024} KiB = {line_time_ms:.1f} ms, queue "
+                f"{self.queue_bytes // 1024} KiB = {self.queue_delay_ms:.0f} ms)"
+            )
         if self.delay_ms:
             rtt = f"RTT {self.rtt_ms:g} ms"
             if self.jitter_ms:
@@ -275,24 +317,36 @@ class LinkSpec:
             return cls()
         if not isinstance(data, dict):
             raise ProfileError(f"{where} must be a mapping of {sorted(_LINK_KEYS)}, got {type(data).__name__}")
+        _refuse_latency(data, where)
+        if "queue" in data and "rate" not in data:
+            raise ProfileError(f"{where} sets a queue without a rate; add a rate (the queue is the shaper's buffer)")
         unknown = set(data) - _LINK_KEYS
         if unknown:
             raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_LINK_KEYS)}")
         parsers = {
             "rate": ("rate_bps", parse_rate_bps),
             "burst": ("burst_bytes", parse_size_bytes),
-            "latency": ("latency_ms", parse_time_ms),
             "delay": ("delay_ms", lambda v: parse_time_ms(v, "delay")),
             "jitter": ("jitter_ms", lambda v: parse_time_ms(v, "jitter")),
             "loss": ("loss_pct", parse_loss_pct),
             "reorder": ("reorder", lambda v: _parse_bool(v, f"{where}: reorder")),
         }
         kwargs = {field: parse(data[key]) for key, (field, parse) in parsers.items() if key in data}
+        if "queue" in data:
+            kwargs.update(parse_queue(data["queue"], f"{where}: queue"))
         if "burst_bytes" in kwargs:
             check_burst(kwargs.get("rate_bps"), kwargs["burst_bytes"], str(data["burst"]).strip(), f"{where}: ")
         spec = _located(where, lambda: cls(**kwargs))
         spec.check(where)
         return spec
+
+
+def _refuse_latency(data: dict, where: str) -> None:
+    if "latency" in data:
+        raise ProfileError(
+            f"{where}: `latency` (tbf's queue bound) is now `queue`; write queue: {data['latency']} (or a size, e.g. "
+            "queue: 2mb)"
+        )
 
 
 def _located(where: str, make: Callable[[], LinkSpec]) -> LinkSpec:
@@ -339,6 +393,7 @@ class SiteLink:
     def from_yaml(cls, data: object, default: LinkSpec, where: str) -> SiteLink:
         if not isinstance(data, dict) or not data:
             raise ProfileError(f"{where} must be a mapping of {sorted(_SITE_KEYS)}, e.g. {{rate: 100mbit}}")
+        _refuse_latency(data, where)
         unknown = set(data) - _SITE_KEYS
         if unknown:
             raise ProfileError(f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_SITE_KEYS)}")
@@ -350,8 +405,8 @@ class SiteLink:
         shape = {}
         if "burst" in data:
             shape["burst_bytes"] = parse_size_bytes(data["burst"])
-        if "latency" in data:
-            shape["latency_ms"] = parse_time_ms(data["latency"])
+        if "queue" in data:
+            shape.update(parse_queue(data["queue"], f"{where}: queue"))
         # The site's own hop, stored as path figures (module doc): twice the delay and jitter, and the loss of which
         # one hop loses the site's.
         if "delay" in data:

@@ -11,6 +11,10 @@ measured is
 the emulator's delay and loss, not the shaper's queue. `check_link` runs both, compares with the profile and
 returns the summary's `link_*` fields; the histogram goes to link_check.json.
 
+`loaded_link` (run by `harness calibrate` and `harness run --calibrate`) measures the same round trip while two
+bulk TCP streams fill the link both ways, as a ring all-reduce does: the RTT behind both shapers' queues
+(`link_loaded_rtt_ms`), each stream's goodput and the fraction of segments they retransmitted.
+
 A run whose median RTT misses the profile's by more than max(5%, 1 ms) (plus twice the jitter, which a FIFO link
 without reordering shifts upwards), or whose loss misses by more than 20% relative plus three binomial standard
 errors, is flagged `link_check_ok: false` (the CLI says so; the run still trains).
@@ -29,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from harness.net.counters import parse_tcp_snmp
 
 PORT = 29431
 # seq, departure (ns, CLOCK_REALTIME), arrival at the server (the kernel's timestamp), the echo's departure, then
@@ -250,6 +256,96 @@ def check_link(cluster: Any, topology: Any, spec: Any, out: Path) -> dict[str, A
         )
     )
     return fields
+
+
+# The loaded probe: two bulk TCP streams fill the link both ways, as a ring all-reduce does; the UDP probe then
+# measures the round trip behind both queues, at a pace that adds nothing to them.
+LOADED_PROBE_PPS = 50
+LOADED_PROBE_S = 2.0
+LOADED_PORTS = (PORT + 1, PORT + 2)
+
+
+def loaded_link(cluster: Any, topology: Any, spec: Any) -> dict[str, Any]:
+    """The link between clusters 0 and 1 while it is full both ways: the round trip a packet sees behind both
+    queues (`link_loaded_rtt_ms`; idle RTT plus up to twice `queue_delay_ms`, so a bufferbloated profile shows here),
+    each direction's single-stream TCP goodput, and the fraction of segments those streams retransmitted."""
+    fill_s = max(1.0, 3 * (spec.queue_delay_ms or 0) / 1000)
+    seconds = fill_s + LOADED_PROBE_S + 1.0
+    module = [sys.executable, "-m", "harness.net.linkprobe"]
+    address = [topology.cluster_address(0), topology.cluster_address(1)]
+    processes: list[subprocess.Popen] = []
+
+    def start(in_cluster: int, args: list[str], ready: bool) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [*cluster.command_in(in_cluster), *module, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        processes.append(process)
+        if ready and not process.stdout.readline().startswith("ready"):
+            raise LinkCheckFailed(f"the loaded link probe's {args[0]} did not start in cluster {in_cluster}")
+        return process
+
+    try:
+        # Sinks: cluster 1 receives cluster 0's stream, and the other way round; goodput after the queues filled.
+        sinks = [
+            start(
+                1 - sender,
+                ["sink-tcp", "--bind", address[1 - sender], "--port", str(port), "--warmup-s", repr(fill_s)],
+                True,
+            )
+            for sender, port in enumerate(LOADED_PORTS)
+        ]
+        start(1, ["serve", "--bind", address[1]], True)
+        before = [_tcp_counters(cluster, c) for c in (0, 1)]
+        for sender, port in enumerate(LOADED_PORTS):
+            start(
+                sender,
+                ["send-tcp", "--target", address[1 - sender], "--port", str(port), "--seconds", repr(seconds)],
+                False,
+            )
+        time.sleep(fill_s)
+        count = int(LOADED_PROBE_PPS * LOADED_PROBE_S)
+        probe = start(
+            0, ["probe", "--count", str(count), "--pps", repr(LOADED_PROBE_PPS), "--target", address[1]], False
+        )
+        measured = json.loads(probe.communicate(timeout=seconds + 60)[0])
+        goodputs = [json.loads(sink.communicate(timeout=seconds + 60)[0])["goodput_bps"] for sink in sinks]
+        after = [_tcp_counters(cluster, c) for c in (0, 1)]
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, KeyError) as err:
+        raise LinkCheckFailed(f"the loaded link probe failed ({type(err).__name__}: {err})") from None
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    rtts = measured["rtt_ms"]
+    return {
+        "link_loaded_rtt_ms": statistics.median(rtts) if rtts else None,
+        "link_loaded_probes_lost": 1 - len(rtts) / measured["sent"],
+        "link_single_stream_bps": goodputs,
+        "link_single_stream_retransmit_fraction": _retransmitted(before, after),
+    }
+
+
+def _tcp_counters(cluster: Any, in_cluster: int) -> dict[str, int]:
+    """Cluster `in_cluster`'s namespace's TCP counters, read from inside it (/proc/net/snmp is per namespace)."""
+    out = subprocess.run(
+        [*cluster.command_in(in_cluster), "cat", "/proc/net/snmp"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    return parse_tcp_snmp(out)
+
+
+def _retransmitted(before: list[dict[str, int]], after: list[dict[str, int]]) -> float | None:
+    """Retransmitted over sent segments in both clusters between two readings."""
+    sent = sum(a["OutSegs"] - b["OutSegs"] for a, b in zip(after, before, strict=True))
+    again = sum(a["RetransSegs"] - b["RetransSegs"] for a, b in zip(after, before, strict=True))
+    return again / sent if sent else None
 
 
 def tcp_goodput_bps(

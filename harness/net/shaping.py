@@ -61,7 +61,7 @@ def _tbf_kwargs(spec: LinkSpec) -> dict:
     return {
         "rate": f"{spec.rate_bps}bit",
         "burst": spec.burst_bytes,
-        "latency": f"{spec.latency_ms * 1000:.0f}us",
+        "limit": spec.queue_bytes,
     }
 
 

@@ -16,7 +16,7 @@ every host of every site (the intra-cluster link is the site's real LAN and is n
 
 What does not carry over, either way:
 
-- tbf's `latency` (queue bound) has no tcconfig setting; an export leaves it out, a load takes the default. tcconfig
+- the `queue` (tbf's limit) has no tcconfig setting; an export leaves it out, a load takes the default. tcconfig
   shapes the rate with htb; a non-default `burst` is exported as htb's ``burst`` (bytes).
 - netem, which tcconfig drives, lets jitter reorder packets, and tcset draws the jitter from a normal distribution
   (``delay-distro`` is its spread) where the harness draws uniformly from delay +- jitter. A jittered profile is

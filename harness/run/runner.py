@@ -22,7 +22,7 @@ from harness.backends import ClusterBackend, Worker, capabilities, make_backend,
 from harness.errors import UserError
 from harness.lock import RunLock
 from harness.net.delayline import tun_unavailable_reason
-from harness.net.linkprobe import LinkCheckFailed, check_link
+from harness.net.linkprobe import LinkCheckFailed, check_link, loaded_link
 from harness.net.shaping import probe_qdiscs
 from harness.net.topology import Topology
 from harness.run.config import RunConfig
@@ -227,9 +227,13 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
             cluster.up()
             signals.check()
             record["cluster_setup_s"] = cluster.setup_s
-            if emulator and capabilities(config.backend).link_check and topology.clusters > 1:
+            calibrating = config.mode == "calibrate" or config.calibrate
+            if (emulator or calibrating) and capabilities(config.backend).link_check and topology.clusters > 1:
                 record.update(check_link(cluster, topology, config.profile.path(0, 1), paths.link_check))
                 signals.check()
+                if calibrating:
+                    record.update(loaded_link(cluster, topology, config.profile.path(0, 1)))
+                    signals.check()
             qdiscs = cluster.kernel_qdiscs()
             wire = _WireMeter(cluster)
             for rank in range(topology.world_size):

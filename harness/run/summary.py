@@ -206,6 +206,8 @@ def _link(records: _Records) -> dict[str, Any]:
             sum(wire) / applied_tokens if wire and applied_tokens and config.clusters > 1 else None
         ),
         "link_burst_bytes": link.burst_bytes if link.rate_bps is not None else None,
+        "link_queue_bytes": link.queue_bytes,
+        "link_queue_delay_ms": link.queue_delay_ms,
         "regime_target_r": _regime_target_r(config.profile.source),
         "link_max_excess": excess,
         "per_cluster": per_cluster,

@@ -156,13 +156,16 @@ def main() -> int:
         if par.stage == 0 and os.environ.get("HARNESS_UPLINK"):
             counter = LinkCounter(os.environ["HARNESS_UPLINK"])
         result: dict = {"device": str(device), "dist_backend": backend}
+        # Under `harness calibrate` the TCP counters are the ring all-reduce's; in training, the training's alone.
+        tcp_before = tcp_counters() if counter else None
         if (config.mode == "calibrate" or config.calibrate) and par.data_parallel_group is not None:
             if par.stage == 0:
                 result["link_busbw_bps"] = calibrate(
                     par.data_parallel_group, config.profile.inter_cluster.rate_bps, par.device, log
                 )
             dist.barrier()
-        tcp_before = tcp_counters() if counter else None
+            if config.mode == "train" and counter:
+                tcp_before = tcp_counters()
         if config.mode == "train":
             result.update(
                 train(

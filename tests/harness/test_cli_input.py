@@ -332,7 +332,7 @@ def test_profiles_list(harness_cli):
 def test_profiles_show(harness_cli):
     result, _, _ = harness_cli(["profiles", "show", "1gbps"])
     assert result.exit_code == 0, result.output
-    assert "# inter-cluster: 1 Gbit/s (burst 244 KiB = 2.0 ms)" in result.output
+    assert "# inter-cluster: 1 Gbit/s (burst 244 KiB = 2.0 ms, queue 256 KiB = 2 ms)" in result.output
     assert "rate_bps: 1000000000" in result.output
     assert "rate: 1gbit" in result.output
 

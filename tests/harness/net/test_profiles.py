@@ -100,12 +100,12 @@ def test_wan_profile_needs_netem():
     assert not p.intra_cluster.needs_netem
     # delay is one-way: 20 ms each way is a 40 ms round trip, +- 2 x 1 ms.
     assert p.inter_cluster.rtt_ms == 40.0
-    assert p.inter_cluster.describe() == "1 Gbit/s (burst 244 KiB = 2.0 ms), RTT 40 ms +- 2 ms"
+    assert p.inter_cluster.describe() == "1 Gbit/s (burst 244 KiB = 2.0 ms, queue 4882 KiB = 40 ms), RTT 40 ms +- 2 ms"
     assert "RTT 40 ms" in p.description and "needs sch_netem" not in p.description
 
 
 def test_describe_and_format_rate():
-    assert load_profile("1gbps").inter_cluster.describe() == "1 Gbit/s (burst 244 KiB = 2.0 ms)"
+    assert load_profile("1gbps").inter_cluster.describe() == "1 Gbit/s (burst 244 KiB = 2.0 ms, queue 256 KiB = 2 ms)"
     assert format_rate(1.5e9) == "1.5 Gbit/s"
     assert format_rate(5e8) == "500 Mbit/s"
     assert format_rate(8e3) == "8 kbit/s"
@@ -216,7 +216,7 @@ def test_user_yaml_path(tmp_path):
     path = write(
         tmp_path,
         "description: my link\n"
-        "inter_cluster:\n  rate: 250mbit\n  burst: 128kb\n  latency: 20ms\n  delay: 5ms\n  loss: 0.1%\n"
+        "inter_cluster:\n  rate: 250mbit\n  burst: 128kb\n  queue: 20ms\n  delay: 5ms\n  loss: 0.1%\n"
         "intra_cluster:\n  rate: 10gbit\n",
     )
     p = load_profile(path)
@@ -224,7 +224,7 @@ def test_user_yaml_path(tmp_path):
     assert p.description == "my link"
     assert p.source == path
     assert p.inter_cluster == LinkSpec(
-        rate_bps=250 * 10**6, burst_bytes=128 * 1024, latency_ms=20.0, delay_ms=5.0, loss_pct=0.1
+        rate_bps=250 * 10**6, burst_bytes=128 * 1024, queue_ms=20.0, delay_ms=5.0, loss_pct=0.1
     )
     assert p.intra_cluster == LinkSpec(rate_bps=10**10)
     assert p.needs_netem
@@ -412,12 +412,12 @@ def test_hop_loss_composes_exactly_where_halving_would_not():
     [
         (
             LinkSpec(rate_bps=10**9, delay_ms=20, jitter_ms=1, loss_pct=1),
-            "1 Gbit/s (burst 244 KiB = 2.0 ms), RTT 40 ms +- 2 ms, loss 1%",
+            "1 Gbit/s (burst 244 KiB = 2.0 ms, queue 4882 KiB = 40 ms), RTT 40 ms +- 2 ms, loss 1%",
         ),
         (LinkSpec(delay_ms=0.5), "RTT 1 ms"),
         (
             LinkSpec(rate_bps=10**8, delay_ms=15, jitter_ms=2.5, loss_pct=1),
-            "100 Mbit/s (burst 64 KiB = 5.2 ms), RTT 30 ms +- 5 ms, loss 1%",
+            "100 Mbit/s (burst 64 KiB = 5.2 ms, queue 366 KiB = 30 ms), RTT 30 ms +- 5 ms, loss 1%",
         ),
         (LinkSpec(delay_ms=1, jitter_ms=3, reorder=True), "RTT 2 ms +- 6 ms (reordering)"),
         (LinkSpec(loss_pct=0.5), "loss 0.5%"),
@@ -564,13 +564,13 @@ def test_profiles_table_rows():
         # The rate is a u32 of bytes/s (no 64-bit rate attribute is sent).
         ("rate: 40gbit", "rate 40gbit is more than tbf's 32-bit rate field holds (34.4 Gbit/s); use at most 34359mbit"),
         ("rate: 100gbit", "use at most 34359mbit"),
-        # The queue limit is a u32 of bytes: burst + rate x latency.
+        # The queue limit is a u32 of bytes.
         (
-            "rate: 10gbit\n  burst: 4090mb",
-            "more than tbf's 32-bit queue limit holds (4,294,967,295 bytes); use a latency of at most 5 ms",
+            "rate: 10gbit\n  queue: 4097mb",
+            "queue 4,296,015,872 bytes (3.44 s at 10 Gbit/s) is more than tbf's 32-bit queue limit holds "
+            "(4,294,967,295 bytes); use a queue of at most 4095mb",
         ),
-        ("rate: 1gbit\n  latency: 1000s", "plus 1000000 ms of queue at 1 Gbit/s is 125,000,250,000 bytes"),
-        ("rate: 1gbit\n  latency: 1000s", "use a latency of at most 34357 ms"),
+        ("rate: 1gbit\n  queue: 1000s", "queue 125,000,000,000 bytes (1e+03 s at 1 Gbit/s) is more than"),
         # The bucket becomes nanoseconds in a u32: at most 4.29 s of line time.
         (
             "rate: 1gbit\n  burst: 10gb",
@@ -596,14 +596,14 @@ def test_the_largest_values_tbf_holds_are_accepted_and_encode(tmp_path):
     """What validation lets through, pyroute2's tbf encoder packs (it raised struct.error above the fields)."""
     from pyroute2.netlink.rtnl.tcmsg import sched_tbf
 
-    from harness.net.link import MAX_TBF_RATE_BPS, max_burst_bytes
+    from harness.net.link import GSO_SEGMENT_BYTES, MAX_TBF_RATE_BPS, max_burst_bytes
     from harness.net.shaping import _tbf_kwargs
 
     edge = [
-        LinkSpec(rate_bps=MAX_TBF_RATE_BPS, latency_ms=0.0),
+        LinkSpec(rate_bps=MAX_TBF_RATE_BPS, queue_size_bytes=GSO_SEGMENT_BYTES),
         LinkSpec(rate_bps=10**7, burst_bytes=max_burst_bytes(10**7)),
         LinkSpec(rate_bps=8_000),  # the default bucket is cut to what the kernel holds at the slowest rate
-        load_profile(write(tmp_path, "inter_cluster:\n  rate: 1gbit\n  latency: 34357ms\n")).inter_cluster,
+        load_profile(write(tmp_path, "inter_cluster:\n  rate: 1gbit\n  queue: 34359ms\n")).inter_cluster,
     ]
     for spec in edge:
         parms = sched_tbf.get_parameters(_tbf_kwargs(spec))["attrs"][0][1]
@@ -620,3 +620,65 @@ def test_a_binary_profile_file_is_not_a_traceback(tmp_path):
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ProfileError, match=re.escape(f"profile {path} is not a text file")):
         load_profile(str(path))
+
+
+# --- the queue ------------------------------------------------------------------------------------------------
+
+
+def test_the_default_queue_is_the_paths_bandwidth_delay_product_and_at_least_four_gso_segments():
+    from harness.net.link import GSO_SEGMENT_BYTES, QUEUE_MIN_SEGMENTS
+
+    floor = QUEUE_MIN_SEGMENTS * GSO_SEGMENT_BYTES
+    # No delay: the floor, whatever the rate (5.44 Mbit/s: 385 ms of line time; 1 Gbit/s: 2 ms).
+    assert LinkSpec(rate_bps=5_440_000).queue_bytes == floor
+    assert LinkSpec(rate_bps=10**9).queue_bytes == floor
+    # 1 Gbit/s over a 40 ms RTT: the bandwidth-delay product, 5 MB.
+    assert LinkSpec(rate_bps=10**9, delay_ms=20).queue_bytes == 5_000_000
+    assert LinkSpec(rate_bps=10**9, delay_ms=20).queue_delay_ms == pytest.approx(40.0)
+    assert LinkSpec(delay_ms=20).queue_bytes is None  # no shaper, no queue
+
+
+def test_a_queue_is_a_size_or_line_time_at_the_rate(tmp_path):
+    sized = load_profile(write(tmp_path, "inter_cluster:\n  rate: 100mbit\n  queue: 2mb\n")).inter_cluster
+    assert sized.queue_bytes == 2 * 1024**2
+    timed = load_profile(write(tmp_path, "inter_cluster:\n  rate: 100mbit\n  queue: 100ms\n")).inter_cluster
+    assert timed.queue_bytes == 1_250_000
+    # A site with its own rate keeps the queue's time, at its rate; a size stays a size.
+    profile = load_profile(
+        write(tmp_path, "inter_cluster:\n  rate: 100mbit\n  queue: 100ms\nsites:\n  1: {rate: 10mbit}\n")
+    )
+    assert profile.uplink(1).queue_bytes == 125_000
+    profile = load_profile(
+        write(tmp_path, "inter_cluster:\n  rate: 100mbit\n  queue: 2mb\nsites:\n  1: {rate: 10mbit}\n")
+    )
+    assert profile.uplink(1).queue_bytes == 2 * 1024**2
+    # ... and a site may set its own.
+    profile = load_profile(
+        write(tmp_path, "inter_cluster:\n  rate: 100mbit\n  queue: 2mb\nsites:\n  1: {rate: 10mbit, queue: 200ms}\n")
+    )
+    assert profile.uplink(1).queue_bytes == 250_000
+    assert profile.uplink(0).queue_bytes == 2 * 1024**2
+
+
+def test_tbf_gets_the_queue_as_its_limit():
+    from pyroute2.netlink.rtnl.tcmsg import sched_tbf
+
+    from harness.net.shaping import _tbf_kwargs
+
+    spec = LinkSpec(rate_bps=10**8, queue_size_bytes=3 * 1024**2)
+    assert sched_tbf.get_parameters(_tbf_kwargs(spec))["attrs"][0][1]["limit"] == 3 * 1024**2
+
+
+@pytest.mark.parametrize(
+    "link, message",
+    [
+        ("rate: 100mbit\n  queue: 32kb", "queue 32,768 bytes is less than one 64 KiB GSO segment"),
+        ("rate: 100mbit\n  queue: 1ms", "use a queue of at least 64kb"),
+        ("rate: 100mbit\n  queue: lots", "queue 'lots' is not understood; write a size (e.g. 2mb, 512kb)"),
+        ("delay: 10ms\n  queue: 2mb", "sets a queue without a rate; add a rate"),
+        ("rate: 100mbit\n  latency: 50ms", "`latency` (tbf's queue bound) is now `queue`; write queue: 50ms"),
+    ],
+)
+def test_a_queue_no_shaper_can_hold_is_refused(tmp_path, link, message):
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        load_profile(write(tmp_path, f"inter_cluster:\n  {link}\n"))

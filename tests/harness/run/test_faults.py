@@ -122,9 +122,9 @@ def test_a_fault_rate_is_held_to_the_machines_ceiling_like_a_profiles(monkeypatc
 
 
 def test_a_fault_rate_is_checked_with_the_links_queue_bound(monkeypatch):
-    """The new rate keeps the link's latency: 30 s of queue is fine at 1 Gbit/s, 37.5 GB at 10 Gbit/s is not."""
+    """The new rate keeps the link's queue time: 30 s of queue is fine at 1 Gbit/s, 37.5 GB at 10 Gbit/s is not."""
     monkeypatch.setenv("HARNESS_MAX_RATE", "30gbit")
-    link = LinkSpec(rate_bps=10**9, latency_ms=30_000)
+    link = LinkSpec(rate_bps=10**9, queue_ms=30_000)
     with pytest.raises(FaultError, match=r"--fault rate at step 5: .*32-bit queue limit"):
         check_faults((parse_fault("rate:5:10gbit"),), 100, 4, "netns", link.rate_bps, link=link)
 

@@ -46,10 +46,21 @@ def test_calibration_measures_the_shaped_rate(tmp_path):
     out = tmp_path / "cal"
     result = harness("calibrate", "--profile", "100mbps", "--out", out)
     assert result.returncode == 0, result.stdout + result.stderr
-    busbw = summary_of(out)["link_busbw_bps"]
+    summary = summary_of(out)
+    busbw = summary["link_busbw_bps"]
     # Above 0.8: the link is usable; below 1.0: tbf really limits it (an unshaped veth runs at several Gbit/s).
     assert 0.8e8 < busbw < 1.0e8, busbw
-    assert "of the configured rate" in result.stdout
+    # The default queue at 100 Mbit/s and no delay: four GSO segments; tbf got exactly that as its limit.
+    assert summary["link_queue_bytes"] == 4 * 64 * 1024
+    environment = json.loads((out / "environment.json").read_text())
+    assert {q["limit_bytes"] for q in environment["kernel_qdiscs"] if q["kind"] == "tbf"} == {4 * 64 * 1024}
+    # Both streams ran at the rate; behind two full queues a round trip is longer than idle, and no longer than
+    # the idle one plus both queues' drain time.
+    assert all(0.8e8 < bps < 1.0e8 for bps in summary["link_single_stream_bps"]), summary
+    idle, loaded = summary["link_rtt_ms"], summary["link_loaded_rtt_ms"]
+    assert idle < loaded <= idle + 2 * summary["link_queue_delay_ms"] + 5, (idle, loaded)
+    assert summary["tcp_retransmit_fraction"] is not None
+    assert "of the rate" in result.stdout and "loaded both ways" in result.stdout
     assert leftovers(before, run_marker(out)) == {}
 
 
