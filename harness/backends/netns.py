@@ -14,8 +14,9 @@ profile's one-way figures per link so that the path between two clusters (two li
   userspace  where the kernel has no sch_netem: the bridge-side veth end leaves the bridge, a TAP device
              <key>-t<c> takes its place, and a delay-line process per cluster (harness/net/delayline.py) forwards
              between them; with loss, the cluster's uplink sends one TCP segment per frame (GSO capped), so the
-             delay line drops wire-sized packets. The processes die with the harness (parent-death signal), and
-             their TAPs with them.
+             delay line drops wire-sized packets (so do links of at most WIRE_FRAMES_MAX_RATE_BPS, so that tbf's
+             queue drops packets, as a real bottleneck does). The processes die with the harness (parent-death
+             signal), and their TAPs with them.
 
 Every object carries the run key, so teardown removes exactly what this run made: deleting a namespace deletes its
 veth ends, bridge and qdiscs with it; the delay lines are stopped by PID first.
@@ -48,8 +49,12 @@ from harness.net.topology import Topology
 NETNS_DIR = Path(netns.NETNS_RUN_DIR)
 # The names this backend gives its namespaces: the run key ("hx" + 6 hex digits), then the switch or a cluster.
 OWN_NETNS = re.compile(r"^(hx[0-9a-f]{6})-(sw|c[0-9]+)$")
-# The uplinks' GSO cap under the userspace emulator with loss: one full-size Ethernet frame, one TCP segment each.
+# The uplinks' GSO cap: one full-size Ethernet frame, one TCP segment each.
 GSO_WIRE_BYTES = 1514
+# Links this slow carry wire-sized frames, as a real bottleneck sees them: with 64 KiB GSO frames a full tbf queue
+# drops 44 packets at once, and one TCP stream at 2 Mbit/s retransmitted 6.4% of its segments (`harness calibrate`,
+# 256 KiB queue). Faster links keep GSO: per-packet work on 2 cores (and through the delay line) would cost rate.
+WIRE_FRAMES_MAX_RATE_BPS = 100 * 10**6
 # How long a delay line may take to create its TAP device and say it is ready.
 DELAY_LINE_START_S = 20.0
 
@@ -108,8 +113,9 @@ class NetnsCluster:
         intra = self.profile.intra_cluster
         netem = self.link_emulator == "netem"
         delay_line = self.link_emulator == "userspace"
-        # With loss anywhere on the path, every uplink sends wire-sized frames, so a drop loses one packet.
-        cap_gso = delay_line and any(self.profile.uplink(c).loss_pct > 0 for c in range(self.topology.clusters))
+        # With loss anywhere on the path or a slow link, every uplink sends wire-sized frames, so a drop loses one
+        # packet.
+        cap_gso = self.wire_sized_frames()
         self._create_ns(self.switch_ns)
         for c in range(self.topology.clusters):
             self._create_ns(self.cluster_ns(c))
@@ -151,6 +157,14 @@ class NetnsCluster:
                 for c in range(self.topology.clusters):
                     sw.link("set", index=sw.link_lookup(ifname=self.tap(c))[0], master=bridge, state="up")
         self.setup_s = time.perf_counter() - started
+
+    def wire_sized_frames(self) -> bool:
+        """Whether the uplinks send one TCP segment per frame: under the delay line with loss (so it drops
+        packets, not GSO frames), and where any cluster's link is at most WIRE_FRAMES_MAX_RATE_BPS."""
+        clusters = range(self.topology.clusters)
+        lossy = self.link_emulator == "userspace" and any(self.profile.uplink(c).loss_pct > 0 for c in clusters)
+        rates = [link.rate_bps for c in clusters for link in (self.profile.uplink(c), self.profile.downlink(c))]
+        return lossy or any(rate is not None and rate <= WIRE_FRAMES_MAX_RATE_BPS for rate in rates)
 
     def _start_delay_line(self, cluster: int) -> None:
         # The cluster's own hop: the inter_cluster link's half, or the site's (harness/net/link.py).

@@ -203,17 +203,15 @@ def calibration_lines(summary: dict[str, Any]) -> list[str]:
 
     queue = summary.get("link_queue_bytes")
     queue_text = f"{queue // 1024} KiB ({summary['link_queue_delay_ms']:.0f} ms at the rate)" if queue else "none"
-    streams = summary.get("link_single_stream_bps") or []
     return [
         f"profile {summary['profile']}: {format_rate(rate) if rate else 'unshaped'}, queue {queue_text}, "
         f"{summary['clusters']} clusters",
         f"  ring all-reduce   busbw {share(summary['link_busbw_bps'])}; TCP retransmitted "
         f"{fraction(summary.get('tcp_retransmit_fraction'))} of segments",
-        "  single streams    "
-        + ", ".join(f"{d} {share(bps)}" for d, bps in zip(("0->1", "1->0"), streams, strict=False))
-        + f"; TCP retransmitted {fraction(summary.get('link_single_stream_retransmit_fraction'))} of segments",
-        f"  round trip        idle {ms(summary.get('link_rtt_ms'))}, loaded both ways "
-        f"{ms(summary.get('link_loaded_rtt_ms'))}",
+        f"  one TCP stream    0->1 {share(summary.get('link_single_stream_bps'))}; TCP retransmitted "
+        f"{fraction(summary.get('link_single_stream_retransmit_fraction'))} of segments",
+        f"  round trip        idle {ms(summary.get('link_rtt_ms'))}, behind one full queue "
+        f"{ms(summary.get('link_loaded_rtt_one_way_ms'))}, both ways full {ms(summary.get('link_loaded_rtt_ms'))}",
     ]
 
 

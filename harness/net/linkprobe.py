@@ -266,9 +266,25 @@ LOADED_PORTS = (PORT + 1, PORT + 2)
 
 
 def loaded_link(cluster: Any, topology: Any, spec: Any) -> dict[str, Any]:
-    """The link between clusters 0 and 1 while it is full both ways: the round trip a packet sees behind both
-    queues (`link_loaded_rtt_ms`; idle RTT plus up to twice `queue_delay_ms`, so a bufferbloated profile shows here),
-    each direction's single-stream TCP goodput, and the fraction of segments those streams retransmitted."""
+    """The link between clusters 0 and 1 under load. One TCP stream from 0 to 1 alone: its goodput
+    (`link_single_stream_bps`), the fraction of segments retransmitted (`link_single_stream_retransmit_fraction`)
+    and the round trip behind its queue (`link_loaded_rtt_one_way_ms`); then a stream each way, as a ring
+    all-reduce loads the link: the round trip behind both queues (`link_loaded_rtt_ms`, idle RTT plus up to twice
+    `queue_delay_ms`: a bufferbloated profile shows here)."""
+    alone = _under_load(cluster, topology, spec, senders=(0,))
+    both = _under_load(cluster, topology, spec, senders=(0, 1))
+    return {
+        "link_single_stream_bps": alone["goodputs_bps"][0],
+        "link_single_stream_retransmit_fraction": alone["retransmitted"],
+        "link_loaded_rtt_one_way_ms": alone["rtt_ms"],
+        "link_loaded_rtt_ms": both["rtt_ms"],
+    }
+
+
+def _under_load(cluster: Any, topology: Any, spec: Any, senders: tuple[int, ...]) -> dict[str, Any]:
+    """Bulk TCP streams from each of `senders` to the other cluster; once they had time to fill the queues, a paced
+    UDP probe from cluster 0 measures the round trip behind them. The median RTT, each stream's goodput after the
+    fill, and the fraction of segments the two clusters retransmitted meanwhile."""
     fill_s = max(1.0, 3 * (spec.queue_delay_ms or 0) / 1000)
     seconds = fill_s + LOADED_PROBE_S + 1.0
     module = [sys.executable, "-m", "harness.net.linkprobe"]
@@ -288,29 +304,22 @@ def loaded_link(cluster: Any, topology: Any, spec: Any) -> dict[str, Any]:
         return process
 
     try:
-        # Sinks: cluster 1 receives cluster 0's stream, and the other way round; goodput after the queues filled.
         sinks = [
-            start(
-                1 - sender,
-                ["sink-tcp", "--bind", address[1 - sender], "--port", str(port), "--warmup-s", repr(fill_s)],
-                True,
-            )
-            for sender, port in enumerate(LOADED_PORTS)
-        ]
+            start(1 - sender, ["sink-tcp", "--bind", address[1 - sender], "--port", str(LOADED_PORTS[sender]),
+                               "--warmup-s", repr(fill_s)], True)
+            for sender in senders
+        ]  # fmt: skip
         start(1, ["serve", "--bind", address[1]], True)
         before = [_tcp_counters(cluster, c) for c in (0, 1)]
-        for sender, port in enumerate(LOADED_PORTS):
-            start(
-                sender,
-                ["send-tcp", "--target", address[1 - sender], "--port", str(port), "--seconds", repr(seconds)],
-                False,
-            )
+        for sender in senders:
+            start(sender, ["send-tcp", "--target", address[1 - sender], "--port", str(LOADED_PORTS[sender]),
+                           "--seconds", repr(seconds)], False)  # fmt: skip
         time.sleep(fill_s)
         count = int(LOADED_PROBE_PPS * LOADED_PROBE_S)
         probe = start(
             0, ["probe", "--count", str(count), "--pps", repr(LOADED_PROBE_PPS), "--target", address[1]], False
         )
-        measured = json.loads(probe.communicate(timeout=seconds + 60)[0])
+        rtts = json.loads(probe.communicate(timeout=seconds + 60)[0])["rtt_ms"]
         goodputs = [json.loads(sink.communicate(timeout=seconds + 60)[0])["goodput_bps"] for sink in sinks]
         after = [_tcp_counters(cluster, c) for c in (0, 1)]
     except (subprocess.TimeoutExpired, json.JSONDecodeError, KeyError) as err:
@@ -320,12 +329,10 @@ def loaded_link(cluster: Any, topology: Any, spec: Any) -> dict[str, Any]:
             if process.poll() is None:
                 process.kill()
             process.wait()
-    rtts = measured["rtt_ms"]
     return {
-        "link_loaded_rtt_ms": statistics.median(rtts) if rtts else None,
-        "link_loaded_probes_lost": 1 - len(rtts) / measured["sent"],
-        "link_single_stream_bps": goodputs,
-        "link_single_stream_retransmit_fraction": _retransmitted(before, after),
+        "rtt_ms": statistics.median(rtts) if rtts else None,
+        "goodputs_bps": goodputs,
+        "retransmitted": _retransmitted(before, after),
     }
 
 
