@@ -173,7 +173,13 @@ class Method(ABC):
 
     def finish(self) -> list[SyncReport]:
         """Complete communication still in flight at the end of training: one report per exchange sent or average
-        applied here, in order (the train loop logs each as its own `finish` event)."""
+        applied here, in order (the train loop logs each as its own `finish` event).
+
+        Every method ends the same way, so runs compare at equal ends: the last update is of the same kind as the
+        run's others and carries the steps trained since the one before (an average or outer step is taken only on
+        a round with new inner steps, never an extra one on nothing new), and where the schedule divides the steps
+        evenly every trained step is applied (applied tokens = trained tokens; DiLoCoX's streaming at alpha = 0,
+        which drops each round's last tau steps by design, aside)."""
         return []
 
     def applied_steps(self, trained_steps: int) -> int:

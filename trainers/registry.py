@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import types
 import typing
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -105,6 +107,38 @@ def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
             f"{', '.join('--' + f.replace('_', '-') for f in sorted(fields)) or 'none'}"
         )
     return config_cls(**options)
+
+
+def recorded_options(config: Any) -> dict[str, Any]:
+    """Every field of a method's config, defaults and what they derive included, as JSON holds them: what a run
+    records as its method_options. Two runs ran the same variant of a method iff these are equal, whatever defaults
+    the code that made them had."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def resolved_options(name: str, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """recorded_options of method `name` given `options` over this checkout's defaults; raises as method_config."""
+    return recorded_options(method_config(name, dict(options or {})))
+
+
+def options_shown(name: str, resolved: Mapping[str, Any]) -> dict[str, Any]:
+    """The fewest options, in field order, that give `resolved` over method `name`'s current defaults: what a
+    variant's label names. A derived value is left out where its source sets it (dilocox's overlap_steps follows
+    local_steps), so `dilocox (local_steps=20)` is all that --local-steps 20 shows; a recorded option today's config
+    lacks is shown too."""
+    fields = [f.name for f in dataclasses.fields(method_class(name).config_class)]
+    shown: dict[str, Any] = {}
+    for key in fields:
+        if key not in resolved:
+            continue
+        try:
+            # "none" is how a given option says None (method_config reads None as "not set").
+            current = resolved_options(name, {k: "none" if v is None else v for k, v in shown.items()}).get(key)
+        except (ValueError, TypeError):
+            current = object()  # the options so far are refused on their own: name this one too
+        if current != resolved[key]:
+            shown[key] = resolved[key]
+    return {**shown, **{k: v for k, v in resolved.items() if k not in fields}}
 
 
 def build_method(name: str, config: Any, ctx: MethodContext) -> Method:

@@ -8,7 +8,6 @@ derives one from repeats and writes it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.analysis.options import run_options
 from harness.analysis.sweep import SweepError, SweepSpec, check_keys, profile_name
 from harness.errors import UserError, read_yaml
 from harness.net.link import ProfileError
@@ -333,7 +333,14 @@ class StoredRun:
         return flat_settings(self.config, self.summary)
 
     def options(self) -> dict[str, Any] | None:
-        return full_options(self.method, self.summary.get("method_options") or self.config.get("method_options") or {})
+        """Every option the run's method ran with (harness/analysis/options.py); None where this checkout's method
+        refuses the options of a run that did not record them."""
+        return run_options(self.summary, self.config).resolved
+
+    @property
+    def options_recorded(self) -> bool:
+        """False for a run folder that recorded only its given options: read over this checkout's defaults."""
+        return run_options(self.summary, self.config).recorded
 
 
 def load_stored_runs(paths: Sequence[Path]) -> list[StoredRun]:
@@ -359,17 +366,6 @@ def flat_settings(config: Mapping[str, Any], summary: Mapping[str, Any] | None =
         if key not in flat and summary and summary.get(key) is not None:
             flat[key] = summary[key]
     return json.loads(json.dumps(flat))  # tuples read back as lists, as from a file
-
-
-def full_options(method: str, options: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A method's options with its defaults filled in, so a default given explicitly is the same configuration;
-    None when the method no longer takes them."""
-    from trainers.registry import method_config
-
-    try:
-        return json.loads(json.dumps(dataclasses.asdict(method_config(method, dict(options))), default=str))
-    except (ValueError, TypeError):
-        return None
 
 
 def differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:

@@ -35,10 +35,12 @@ from harness.analysis.bands import (
     load_stored_runs,
     sweep_command,
 )
+from harness.analysis.options import RunOptions, run_options
 from harness.analysis.report import markdown_table
 from harness.analysis.sweep import SweepError, check_keys
 from harness.net.profiles import known_profiles
 from harness.run.config import RunConfig
+from trainers.registry import options_shown
 
 TOLERANCE_K = 3.0
 MIN_REPEATS = 2
@@ -88,7 +90,7 @@ def _one_configuration(runs: Sequence[StoredRun], results: str) -> tuple[dict[st
     """The settings every run shares and each method's options; refuses runs of several configurations."""
     first = runs[0]
     settings = first.settings()
-    options: dict[str, tuple[StoredRun, dict[str, Any] | None]] = {}
+    chosen: dict[str, tuple[StoredRun, RunOptions]] = {}
     for run in runs:
         differing = differences(settings, run.settings())
         if differing:
@@ -98,15 +100,16 @@ def _one_configuration(runs: Sequence[StoredRun], results: str) -> tuple[dict[st
                 f"{run.path} {key}={run.settings()[key]!r}); derive a baseline from the repeats of one configuration "
                 "(one `harness sweep --repeats 3`)"
             )
-        seen = options.setdefault(run.method, (run, run.options()))
-        if seen[1] != run.options():
+        mine = run_options(run.summary, run.config)
+        seen, theirs = chosen.setdefault(run.method, (run, mine))
+        if theirs.key != mine.key:
             raise BaselineError(
-                f"{results} holds {run.method} runs with different options ({seen[0].path}: "
-                f"{seen[0].summary.get('method_options')}, {run.path}: {run.summary.get('method_options')}); "
-                "derive a baseline from the repeats of one configuration per method"
+                f"{results} holds {run.method} runs with different options ({seen.path}: {theirs.label}, {run.path}: "
+                f"{mine.label}); derive a baseline from the repeats of one configuration per method"
             )
-    given = {m: dict(r.summary.get("method_options") or {}) for m, (r, _) in options.items()}
-    return settings, {m: o for m, o in given.items() if o}
+    # The options that differ from the defaults: they give the runs' resolved options over this checkout's.
+    written = {m: o.given if o.resolved is None else options_shown(m, o.resolved) for m, (_, o) in chosen.items()}
+    return settings, {m: o for m, o in written.items() if o}
 
 
 def _run_settings(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def ratio(runs: pd.DataFrame, reference: pd.DataFrame, column: str) -> tuple[Spr
 # --- the comparison ----------------------------------------------------------------------------------------------
 
 
-def _reach(evals: pd.DataFrame, target: float) -> tuple[float, float]:
+def reach(evals: pd.DataFrame, target: float) -> tuple[float, float]:
     """(tokens, elapsed seconds) at the first evaluation at or below `target`; NaN when never reached."""
     hit = evals[evals["val_loss"] <= target]
     if hit.empty:
@@ -158,7 +158,7 @@ class _Target:
 def _target(group: pd.DataFrame, evals: pd.DataFrame, target_loss: float | None) -> _Target:
     target = target_loss if target_loss is not None else default_target(group)
     source = "given" if target_loss is not None else (BASELINE if not math.isnan(target) else "")
-    reached = {run_id: _reach(evals[evals["run_id"] == run_id], target) for run_id in group["run_id"]}
+    reached = {run_id: reach(evals[evals["run_id"] == run_id], target) for run_id in group["run_id"]}
     return _Target(target, source, reached)
 
 

@@ -84,10 +84,10 @@ from harness.analysis.bands import (
     differences,
     flat_settings,
     format_value,
-    full_options,
     load_stored_runs,
     needed_runs,
 )
+from harness.analysis.options import AS_GIVEN
 from harness.analysis.report import markdown_table
 from harness.analysis.sweep import SweepObserver, applies_to, profile_name, run_sweep
 from harness.run.config import RunConfig
@@ -151,7 +151,7 @@ class _Selector:
         settings = {k: v for k, v in {**self.baseline.settings, **options}.items() if applies_to(k, method)}
         expected = RunConfig.build(method, profile, seed=self.baseline.seed, **settings)
         want = flat_settings(expected.to_dict())
-        want_options = full_options(method, expected.method_options)
+        want_options = expected.resolved_options
         picked = [r for r in candidates if not differences(want, r.settings()) and r.options() == want_options]
         if picked:
             return picked
@@ -161,12 +161,19 @@ class _Selector:
             key = differing[0]
             what = f"{key}={run.settings()[key]!r} where the baseline's runs had {key}={want[key]!r}"
         else:
-            what = f"options {run.summary.get('method_options')} where the baseline's runs had {dict(options)}"
+            have = run.options() or {}
+            key = next(k for k in {**want_options, **have} if have.get(k) != want_options.get(k))
+            what = f"{key}={have.get(key)!r} where the baseline's runs had {key}={want_options.get(key)!r}"
         raise BaselineError(
             f"{self.where} holds {len(candidates)} {method} run(s) on {name} but none made with the baseline's "
             f"settings ({run.path} has {what}); the bands hold only for those settings, so pass runs made with "
             "them, or leave out --results and `harness check` makes them"
         )
+
+
+def _count(runs: Sequence[StoredRun]) -> str:
+    """How many runs; marked where some recorded only their given options (harness/analysis/options.py)."""
+    return str(len(runs)) + ("" if all(r.options_recorded for r in runs) else f" {AS_GIVEN}")
 
 
 def _median(runs: Sequence[StoredRun], key: str) -> float | None:
@@ -182,7 +189,7 @@ def evaluate(baseline: Baseline, runs: Sequence[StoredRun], where: str = "the re
         own = select(check.method, check.profile)
         for band in check.bands:
             metric = METRICS[band.metric]
-            measured, count, missing = _median(own, metric.summary_key), str(len(own)), None
+            measured, count, missing = _median(own, metric.summary_key), _count(own), None
             if not own:
                 missing = f"no successful {check.method} runs"
             elif measured is None:
@@ -190,7 +197,7 @@ def evaluate(baseline: Baseline, runs: Sequence[StoredRun], where: str = "the re
             if metric.relative_to is not None and measured is not None:
                 other = select(metric.relative_to, check.profile)
                 divisor = _median(other, "tokens_per_s")
-                count = f"{len(own)}/{len(other)}"
+                count = f"{_count(own)}/{_count(other)}"
                 if not divisor:
                     measured, missing = None, f"no successful {metric.relative_to} runs"
                 else:

@@ -18,6 +18,8 @@
     rtt-<model>-<rate>  applied tokens/s per method against the link's round-trip time (the profile's), across the
                         profiles of one rate whose runs share model, cluster shape and steps; drawn where they span two
                         RTTs or more (a latency sweep), with the report's intervals
+    link-trace-<run id> for every run that replayed a profile's trace: the rate achieved against the trace's
+                        (harness/analysis/trace_plot.py)
 
 A group is named <profile>-<model>, with the cluster shape and step count appended when several groups share both.
 A method keeps its colour in every figure. Figures are built as matplotlib Figure objects without pyplot, so they
@@ -37,6 +39,7 @@ from matplotlib.ticker import EngFormatter, LogLocator, MaxNLocator, NullFormatt
 
 from harness.analysis.comparison import BASELINE, CEILING, comparison, site_comparison
 from harness.analysis.tables import GROUP_KEYS, RunTables, eval_curve, in_group
+from harness.analysis.trace_plot import trace_figures
 from harness.units import format_rate
 
 FORMATS = ("png", "svg")
@@ -378,6 +381,8 @@ def plot_all(tables: RunTables, out: Path) -> list[Path]:
         if not group_sites.empty:
             written += _save(sites_figure(group, group_sites, colors), out, f"sites-{slug}")
     written += _rtt_figures(ok, compared, palette, out)
+    for name, fig in trace_figures(tables):
+        written += _save(fig, out, name)
     return written
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from harness.analysis.options import run_options
 from harness.errors import UserError
 from harness.net.link import Profile
 from harness.run.config import RunConfig, check_finite_options
@@ -49,6 +50,7 @@ from harness.units import format_rate
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.method import Exchange, SyncPlan
 from trainers.models import DecoderLM, count_parameters, get_model_config
+from trainers.registry import resolved_options
 
 # Payload bytes per wire byte that a gloo all-reduce reaches on a tbf-shaped link (calibrate: busbw 0.92-0.95 of the
 # rate at 2-8 clusters; a 1448-byte segment in a 1514-byte frame is 0.956 before ACKs).
@@ -339,10 +341,11 @@ def resolve_compute(
     per_site = tokens_per_step // clusters
     if accelerator is not None:
         return accelerator.compute(model, per_site)
-    wanted = json.dumps(method_options_of(method, options), sort_keys=True)
+    # The same variant: every option equal, defaults included (harness/analysis/options.py).
+    wanted = resolved_options(method, options)
     per_flop = []
     for run_dir, summary, _ in ok_runs(compute_from):
-        if summary["method"] != method or json.dumps(summary.get("method_options") or {}, sort_keys=True) != wanted:
+        if summary["method"] != method or run_options(summary).resolved != wanted:
             continue
         run_tokens = summary["tokens"] // summary["steps"] // summary["clusters"]
         per_flop.append(measured_compute(run_dir).scaled(1 / (summary["param_count"] * run_tokens), ""))
@@ -357,13 +360,6 @@ def resolve_compute(
         statistics.fmean(c.step_s for c in per_flop) * scale, statistics.fmean(c.hide_s for c in per_flop) * scale,
         source,
     )  # fmt: skip
-
-
-def method_options_of(method: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The options a run of `method` records: the ones given that the method has."""
-    from trainers.registry import option_names
-
-    return {k: v for k, v in options.items() if v is not None and k in option_names(method)}
 
 
 def measured_compute(run_dir: Path) -> Compute:
@@ -382,7 +378,7 @@ def measured_compute(run_dir: Path) -> Compute:
 
 def settings_key(summary: dict[str, Any], config: RunConfig) -> tuple:
     """What a compute measurement must share with the run it predicts: method and options, model, shape, batch."""
-    options = json.dumps(summary.get("method_options") or {}, sort_keys=True)
+    options = json.dumps(run_options(summary).resolved, sort_keys=True)
     train = config.train
     return (summary["method"], options, summary["model"], summary["clusters"], train.batch_size, train.seq_len)
 

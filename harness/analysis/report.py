@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis.comparison import TARGET_FACTOR, ReportError
+from harness.analysis.options import not_recorded_note
 from harness.analysis.tables import GROUP_KEYS, RunTables, in_group, missing
 from harness.run.config import MIN_SYNCS
 from harness.units import format_rate
@@ -114,7 +115,9 @@ LEGEND = (
     'when n ≥ 3, the range (min–max) when n = 2, or "n=1, no spread". Ratios are paired per seed with the '
     "reference's run of the same seed where there is one, else the ratio of means (no spread). applied tokens/s "
     "counts the tokens whose updates are in the final synchronized model; compute util. is that over the run's own "
-    "compute ceiling (tokens per step / median forward+backward time after warm-up)."
+    "compute ceiling (tokens per step / median forward+backward time after warm-up). A method's row is one variant: "
+    "the runs that ran with equal options, defaults included; it names only the options that differ from the "
+    "method's defaults."
 )
 FEW_SYNCS = "⚠"
 
@@ -253,6 +256,8 @@ def markdown(table: pd.DataFrame, runs: pd.DataFrame, sites: pd.DataFrame | None
             if not mine.empty:
                 text += "\n\n" + _site_table(mine)
         parts.append(text + "\n")
+    if "options_recorded" in runs and not runs["options_recorded"].all():
+        parts.append(not_recorded_note(list(runs[~runs["options_recorded"].astype(bool)]["options_commit"])) + "\n")
     failed = runs[runs["status"] != "ok"]
     if not failed.empty:
         lines = [f"- {r['path']}: {r['failure']}" for _, r in failed.iterrows()]

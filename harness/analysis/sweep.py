@@ -18,13 +18,17 @@ alike instead of on whichever method ran then.
 
 Resuming goes by name: a combination whose folder holds a summary with status "ok" is skipped unless forced; any
 other combination is run again from scratch, after its failed folder and any ``.<name>.partial`` staging folder left
-by an interrupted run are removed, because the runner refuses to write over either.
+by an interrupted run are removed, because the runner refuses to write over either. A finished run whose options,
+defaults included, are not what this invocation would run (a default changed since) makes the sweep refuse to
+resume, naming the option: its table would pool two variants under one name.
 
 Settings are one flat mapping of names to values, as RunConfig.build takes them: cluster shape (clusters, stages,
 backend), training (TrainConfig fields), lr, or a method option. A method option goes only to the methods whose
 config has it: ``--set local_steps=10,50`` varies opendiloco's H and leaves allreduce as one run, instead of failing
 on the option allreduce does not have (trainers.registry.method_config refuses unknown options, so they are filtered
 by the method's config fields first). As on the command line, the value "none" switches an optional setting off.
+A setting fixed for one method (`per_method`, --method-set) is one of its options or a training setting (its step
+count, say), which then differs from the other methods' for that method alone.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
+from harness.analysis.options import run_options
 from harness.errors import UserError
 from harness.lock import owner_alive, staging_held
 from harness.run import runner
@@ -214,10 +219,11 @@ class SweepSpec:
         for method, options in self.per_method.items():
             if method not in METHODS:
                 raise SweepError(f"options given for unknown method {method!r}; known: {', '.join(METHODS)}")
-            foreign = sorted(set(options) - option_names(method))
+            # A training setting may differ per method too (a comparison's per-method step counts).
+            foreign = sorted(set(options) - option_names(method) - TRAIN_KEYS)
             if foreign:
                 raise SweepError(
-                    f"{', '.join(foreign)} is not an option of method {method!r}; its options: "
+                    f"{', '.join(foreign)} is not an option of method {method!r} nor a training setting; its options: "
                     f"{', '.join(sorted(option_names(method))) or 'none'}"
                 )
         for combo in self.combinations():
@@ -308,6 +314,29 @@ def _check_settings(out: Path, spec: SweepSpec, force: bool, command: str | None
     path.write_text(json.dumps({"settings": settings, "command": command}, indent=2) + "\n")
 
 
+def _check_finished_options(out: Path, spec: SweepSpec, combos: Sequence[Combination]) -> None:
+    """A finished run is kept only if it ran every option as this invocation would, defaults included: a default
+    changed since would otherwise pool two variants under one name (harness/analysis/options.py)."""
+    for combo in combos:
+        done = finished_ok(out / "runs" / combo.name)
+        if done is None:
+            continue
+        where, have = out / "runs" / combo.name, run_options(done)
+        if not have.recorded:
+            raise SweepError(
+                f"{where} recorded only the options it was given, not the defaults it ran with, so whether it ran "
+                "what this sweep would is unknown; pass another --out, or --force to redo the sweep"
+            )
+        want = spec.config(combo).resolved_options
+        key = next((k for k in {**want, **have.resolved} if have.resolved.get(k) != want.get(k)), None)
+        if key is not None:
+            raise SweepError(
+                f"{where} ran {combo.method} with {key}={have.resolved.get(key)!r} where this sweep would run "
+                f"{key}={want.get(key)!r} (a default changed since, or other options were given); pass another "
+                "--out, or --force to redo the sweep"
+            )
+
+
 def write_index(out: Path, rows: Sequence[IndexRow]) -> Path:
     """index.csv: this invocation's rows, plus earlier rows of other combinations (a sweep can be extended)."""
     path = out / "index.csv"
@@ -392,6 +421,8 @@ def run_sweep(
     with _sweep_lock(out):
         _check_settings(out, spec, force, command)
         combos = spec.combinations()
+        if not force:
+            _check_finished_options(out, spec, combos)
         rows: list[IndexRow] = []
         for position, combo in enumerate(combos, start=1):
             done = None if force else finished_ok(out / "runs" / combo.name)

@@ -2,12 +2,15 @@
 harness/run/folder.py), so results copied from another machine report the same; paths are kept relative to the
 folder the user named:
 
-    runs    one row per run: the summary's figures, `variant` (method and its options), `path`, and the run's
-            compute ceiling and `compute_utilisation` (below)
+    runs    one row per run: the summary's figures, `variant` (the method and the options that differ from its
+            defaults: harness/analysis/options.py, which also gives `options`, `options_given`, `options_recorded`
+            and `options_commit`), `path`, and the run's compute ceiling and `compute_utilisation` (below)
     events  one row per step or eval event of every rank, with `elapsed_s`: training wall-clock since the first step
             started, evaluation time left out (evaluation is identical for all methods and not training)
     sites   one row per run and cluster: the summary's `per_cluster` (the site's uplink and downlink rates, the wire
             bytes its uplink carried, and `comm_blocked_s`, the time its replica waited on the link)
+    link_trace  one row per sample and cluster of a run that replayed a trace (link_trace.jsonl,
+            harness/run/linktrace.py): `t_s`, `tx_bytes`, `backlog_bytes`, `trace_rate_bps`, `trace_delay_ms`
 
 A run folder that cannot be read (a damaged summary.json or events file) is left out and listed in `skipped`, so one
 bad folder does not hide a sweep's other runs.
@@ -31,7 +34,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.run.folder import ResultsError, RunPaths, UnreadableResults, find_run_dirs, read_events, read_summary
+from harness.analysis.options import run_options_in, unique_labels
+from harness.run.folder import (
+    ResultsError,
+    RunPaths,
+    UnreadableResults,
+    find_run_dirs,
+    read_events,
+    read_link_trace,
+    read_summary,
+)
 
 # What makes two runs comparable: everything but the method and the seed.
 GROUP_KEYS = ["profile", "model", "clusters", "stages", "steps"]
@@ -44,6 +56,7 @@ _SUMMARY_SCALARS = (
     "comm_blocked_s", "comm_overlapped_s", "overlap_hidden_fraction", "final_train_loss", "final_val_loss",
     "initial_val_loss", "link_busbw_bps", "regime_target_r", "link_max_excess", "link_conforms", "link_emulator",
     "link_rtt_ms", "link_rtt_target_ms", "link_loss_measured", "link_loss_target", "link_check_ok",
+    "link_trace_error", "link_trace_windows",
 )  # fmt: skip
 
 
@@ -63,17 +76,13 @@ class RunTables:
     events: pd.DataFrame
     sites: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
     skipped: tuple[Skipped, ...] = ()
+    link_trace: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
 
 
 def skipped_note(skipped: Sequence[Skipped]) -> str:
     """'skipped 1 unreadable run: <file>: <why>', for the end of a report that left runs out."""
     runs = "run" if len(skipped) == 1 else "runs"
     return f"skipped {len(skipped)} unreadable {runs}: " + "; ".join(f"{s.path}: {s.why}" for s in skipped)
-
-
-def variant_of(method: str, options: dict) -> str:
-    """'opendiloco local_steps=10': a method and the options it ran with, which the comparison keeps apart."""
-    return " ".join([method, *(f"{k}={v}" for k, v in sorted(options.items()))])
 
 
 def missing(value: object) -> bool:
@@ -137,21 +146,42 @@ class _Run:
     row: dict
     events: list[dict]
     sites: list[dict]
+    link_trace: list[dict]
 
 
 def _read_run(run_dir: Path, relative: str) -> _Run:
     summary = read_summary(run_dir)
     sites = [{"run_id": summary["run_id"], **site} for site in summary.get("per_cluster") or []]
     row = {key: summary.get(key) for key in _SUMMARY_SCALARS}
-    options = summary.get("method_options") or {}
-    row.update(variant=variant_of(summary["method"], options), options=json.dumps(options), path=relative)
+    options = run_options_in(run_dir, summary)
+    row.update(
+        variant=options.label, variant_key=options.key, options=json.dumps(options.resolved),
+        options_given=json.dumps(options.given), options_recorded=options.recorded, options_commit=options.commit,
+        path=relative,
+    )  # fmt: skip
     by_rank = {
         rank: [e for e in read_events(run_dir, rank) if e["kind"] in EVENT_KINDS]
         for rank in RunPaths(run_dir).event_ranks()
     }
     events = [{"run_id": summary["run_id"], **e} for rank_events in by_rank.values() for e in _elapsed(rank_events)]
     row.update(_ceiling_columns(summary, by_rank))
-    return _Run(row, events, sites)
+    return _Run(row, events, sites, _link_trace_rows(summary["run_id"], run_dir))
+
+
+def _link_trace_rows(run_id: str, run_dir: Path) -> list[dict]:
+    rows = []
+    for record in read_link_trace(run_dir):
+        if record["kind"] != "sample":
+            continue
+        uplinks = zip(record["tx_bytes"], record["backlog_bytes"], strict=True)
+        rows += [
+            {
+                "run_id": run_id, "cluster": cluster, "t_s": record["t_s"], "tx_bytes": tx, "backlog_bytes": backlog,
+                "trace_rate_bps": record.get("trace_rate_bps"), "trace_delay_ms": record.get("trace_delay_ms"),
+            }
+            for cluster, (tx, backlog) in enumerate(uplinks)
+        ]  # fmt: skip
+    return rows
 
 
 def load_runs(paths: Sequence[Path]) -> RunTables:
@@ -172,11 +202,19 @@ def load_runs(paths: Sequence[Path]) -> RunTables:
             f"({skipped_note(skipped)}); run them again or remove them"
         )
     runs_table = pd.DataFrame([run.row for run in runs])
+    labels = unique_labels(dict(zip(runs_table["variant_key"], runs_table["variant"], strict=True)))
+    runs_table["variant"] = runs_table["variant_key"].map(labels)
     event_table = pd.DataFrame([e for run in runs for e in run.events])
     if not event_table.empty:
         labels = runs_table[["run_id", "method", "variant", "profile", "model", "seed", "stages"]]
         event_table = event_table.merge(labels, on="run_id", how="left")
-    return RunTables(runs_table, event_table, pd.DataFrame([s for run in runs for s in run.sites]), skipped)
+    return RunTables(
+        runs_table,
+        event_table,
+        pd.DataFrame([s for run in runs for s in run.sites]),
+        skipped,
+        pd.DataFrame([row for run in runs for row in run.link_trace]),
+    )
 
 
 def in_group(table: pd.DataFrame, key: tuple) -> pd.DataFrame:

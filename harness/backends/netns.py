@@ -41,10 +41,11 @@ from pyroute2 import NetNS, netns
 
 from harness.lock import owner_alive
 from harness.net.counters import interface_counters
-from harness.net.delayline import TAP_PREFIX
+from harness.net.delayline import TAP_PREFIX, delay_line_log_name
 from harness.net.link import Profile
-from harness.net.shaping import apply_link_spec, change_link_rate, read_qdiscs
+from harness.net.shaping import apply_link_spec, change_link_rate, read_qdiscs, tbf_backlog_bytes
 from harness.net.topology import Topology
+from harness.net.trace import hop_delay_schedule, replays_delay
 
 NETNS_DIR = Path(netns.NETNS_RUN_DIR)
 # The names this backend gives its namespaces: the run key ("hx" + 6 hex digits), then the switch or a cluster.
@@ -162,7 +163,7 @@ class NetnsCluster:
         """Whether the uplinks send one TCP segment per frame: under the delay line with loss (so it drops
         packets, not GSO frames), and where any cluster's link is at most WIRE_FRAMES_MAX_RATE_BPS."""
         clusters = range(self.topology.clusters)
-        lossy = self.link_emulator == "userspace" and any(self.profile.uplink(c).loss_pct > 0 for c in clusters)
+        lossy = self.link_emulator == "userspace" and any(self.profile.uplink(c).loss_fraction > 0 for c in clusters)
         rates = [link.rate_bps for c in clusters for link in (self.profile.uplink(c), self.profile.downlink(c))]
         return lossy or any(rate is not None and rate <= WIRE_FRAMES_MAX_RATE_BPS for rate in rates)
 
@@ -178,11 +179,20 @@ class NetnsCluster:
         ]  # fmt: skip
         if spec.reorder:
             argv.append("--reorder")
-        log_path = self.log_dir / f"delayline-c{cluster}.log" if self.log_dir else Path(os.devnull)
+        model = spec.loss_model
+        if model is not None:
+            # Whole, not halved: the delay line runs it on what this cluster sends only (harness/net/delayline.py).
+            argv += ["--ge-p", repr(model.p), "--ge-r", repr(model.r), "--ge-h", repr(model.h), "--ge-k", repr(model.k)]
+        trace = self.profile.trace
+        if trace is not None and replays_delay(trace):
+            argv += ["--delay-trace", hop_delay_schedule(trace)]
+        log_path = self.log_dir / delay_line_log_name(cluster) if self.log_dir else Path(os.devnull)
         with open(log_path, "wb") as log:
             # A session of its own: Ctrl-C reaches the harness only, which stops the delay lines after the ranks.
             process = subprocess.Popen(
                 ["nsenter", f"--net={NETNS_DIR / self.switch_ns}", "--", *argv],
+                # A delay schedule's start comes on stdin (harness/run/linktrace.py writes it).
+                stdin=subprocess.PIPE if "--delay-trace" in argv else None,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 start_new_session=True,
@@ -203,14 +213,18 @@ class NetnsCluster:
 
     def set_link_rate(self, rate_bps: int) -> None:
         """Give every cluster's link a new rate, both veth ends, tbf changed in place (burst re-derived for it)."""
-        spec = dataclasses.replace(self.profile.inter_cluster, rate_bps=rate_bps, burst_bytes=None)
-        netem = self.link_emulator == "netem"
-        with NetNS(self.switch_ns, flags=0) as sw:
-            for c in range(self.topology.clusters):
-                self.applied_qdiscs.append(change_link_rate(sw, self.downlink(c), spec, netem))
-        for c in range(self.topology.clusters):
-            with NetNS(self.cluster_ns(c), flags=0) as ns:
-                self.applied_qdiscs.append(change_link_rate(ns, self.uplink(c), spec, netem))
+        links = self.live_links()
+        try:
+            links.set_rate(rate_bps)
+        finally:
+            links.close()
+
+    def live_links(self) -> LiveLinks:
+        return LiveLinks(self)
+
+    def trace_start_fds(self) -> list[int]:
+        """Where the start of the delay lines' delay schedules (a trace's delay column) is written: their stdin."""
+        return [process.stdin.fileno() for process in self.delay_lines.values() if process.stdin is not None]
 
     def kernel_qdiscs(self) -> list[dict]:
         """The qdiscs as the kernel reports them now, for environment.json."""
@@ -283,6 +297,43 @@ class NetnsCluster:
                 pass
         self._created.clear()
         self.teardown_s = time.perf_counter() - started
+
+
+class LiveLinks:
+    """The links of a live run, re-rated and read through netlink sockets into the switch and every cluster
+    namespace, held open: a rate change through fresh ones took 0.14-0.52 s on 2 cores busy training, too late for
+    a trace's replay (harness/run/linktrace.py), which changes the rate every few seconds and samples every 0.1 s.
+    Use it from one thread, and close it."""
+
+    def __init__(self, cluster: NetnsCluster):
+        self.cluster = cluster
+        self.switch = NetNS(cluster.switch_ns, flags=0)
+        self.namespaces = [NetNS(cluster.cluster_ns(c), flags=0) for c in range(cluster.topology.clusters)]
+
+    def set_rate(self, rate_bps: int) -> None:
+        """Every cluster's link at `rate_bps`, both veth ends (NetnsCluster.set_link_rate)."""
+        cluster = self.cluster
+        spec = dataclasses.replace(cluster.profile.inter_cluster, rate_bps=rate_bps, burst_bytes=None)
+        netem = cluster.link_emulator == "netem"
+        for c in range(len(self.namespaces)):
+            cluster.applied_qdiscs.append(change_link_rate(self.switch, cluster.downlink(c), spec, netem))
+        for c, ns in enumerate(self.namespaces):
+            cluster.applied_qdiscs.append(change_link_rate(ns, cluster.uplink(c), spec, netem))
+
+    def read_uplinks(self) -> list[tuple[int, int]]:
+        """Per cluster: (bytes its uplink has sent so far, bytes waiting in its tbf)."""
+        return [
+            (interface_counters(ns, self.cluster.uplink(c))[0], tbf_backlog_bytes(ns, self.cluster.uplink(c)))
+            for c, ns in enumerate(self.namespaces)
+        ]
+
+    def read_backlogs(self) -> list[int]:
+        """Per cluster: the bytes waiting in its uplink's tbf."""
+        return [tbf_backlog_bytes(ns, self.cluster.uplink(c)) for c, ns in enumerate(self.namespaces)]
+
+    def close(self) -> None:
+        for ns in [self.switch, *self.namespaces]:
+            ns.close()
 
 
 def _read_line(process: subprocess.Popen, timeout_s: float) -> str:

@@ -44,6 +44,10 @@ COMMANDS = {
         "harness.cli.sweep:sweep",
         "Run methods x profiles x seeds (x --set values) one after another into one sweep folder.",
     ),
+    "compare": Entry(
+        "harness.cli.compare:compare",
+        "Run methods side by side on shaped links and compare their time to a target loss with AllReduce's.",
+    ),
     "regime": Entry(
         "harness.cli.sweep:regime",
         "Derive the link rate at which AllReduce is as communication-bound as TARGET, and write it as a profile.",

@@ -174,7 +174,10 @@ def _print_validation(rows: list[dict], csv_path: Path | None, json_path: Path |
 @results_argument
 @click.option("--out", type=click.Path(path_type=Path), help="Figure folder [default: RESULTS/figures].")
 def plot(results, out):
-    """Loss, throughput and step-time figures (PNG and SVG), one set per profile and model."""
+    """Loss, throughput and step-time figures (PNG and SVG), one set per profile and model.
+
+    For a run that replayed a profile's trace, its achieved rate against the trace's over time.
+    """
     from harness.analysis.plots import plot_all
     from harness.analysis.tables import load_runs
 

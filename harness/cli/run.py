@@ -256,6 +256,16 @@ def print_summary(summary: dict[str, Any]) -> None:
         table.add_row(Text(key, style="bold"), Text(value))
     console.print(table)
     print_text(f"results: {summary['results_dir']}")
+    if summary["status"] == "ok":
+        print_text("compare: " + compare_command(summary))
+
+
+def compare_command(summary: dict[str, Any]) -> str:
+    """The `harness compare` that measures this run's method against allreduce on its link, over three seeds (one
+    run is n=1: no spread, and no baseline to say what its figures are worth)."""
+    methods = ",".join(dict.fromkeys(["allreduce", summary["method"]]))
+    profile = summary["profile"]
+    return f"harness compare --profile {profile} --methods {methods} --seeds 0,1,2 --out results/compare-{profile}"
 
 
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:

@@ -31,7 +31,7 @@ from trainers.registry import method_names
     "--method-set",
     multiple=True,
     metavar="METHOD:KEY=VALUE",
-    help="Fix an option for one method only (repeatable), e.g. opendiloco:local_steps=20.",
+    help="Fix an option (or a training setting) for one method only (repeatable), e.g. opendiloco:local_steps=20.",
 )
 @click.option(
     "--regime",

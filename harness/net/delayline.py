@@ -21,6 +21,20 @@ Jitter draws each frame's delay uniformly from delay +- jitter (netem's default 
 allowed, a frame never leaves before the one ahead of it in its direction (so jitter never reorders). Loss drops a
 frame with the hop's probability, from a generator seeded per run and direction, so a rerun drops alike.
 
+Bursty loss (a profile's loss model, harness/net/lossmodel.py: Gilbert-Elliott, --ge-p/-r/-h/-k) is a process with
+memory, and two of them in a row are not one with other parameters: the path must cross exactly one. So it is not
+split into hops: each cluster's delay line runs the whole model on the frames that cluster sends (to_switch) and
+none on the frames it receives (to_cluster), and a packet between two clusters meets the sender's model once. The
+model sees every frame in that direction (ARP and acknowledgements too, as netem on an egress would), wire-sized
+because the backend caps GSO where there is loss, and draws from the direction's seeded generator.
+
+Each direction counts the frames it saw, those it dropped (by either loss) and the bursts they formed (runs of
+consecutive dropped frames); harness/run/summary.py sets them beside the configured figures.
+
+A profile's trace (harness/net/trace.py) gives the delay as a schedule instead (--delay-trace): each frame gets the
+row in force when it is read, counted from the start time the harness writes on stdin when training starts (before
+it, the first row); a frame still never leaves before the one ahead of it, so a falling delay does not reorder.
+
 The process creates its TAP device (it vanishes when the process exits), writes "ready <tap>" on stdout and then
 forwards until SIGTERM, when it writes its counters as one JSON line on stderr. Its own ceiling is measured by
 `harness bench-delayline` (docs/links.md, "Measured on this machine").
@@ -29,6 +43,7 @@ forwards until SIGTERM, when it writes its counters as one JSON line on stderr. 
 from __future__ import annotations
 
 import argparse
+import bisect
 import errno
 import fcntl
 import heapq
@@ -43,7 +58,10 @@ import stat
 import struct
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
+from harness.net.lossmodel import GilbertElliott, GilbertElliottLoss
 from harness.process import set_parent_death_signal
 
 # The TAP device of cluster c is <run key>-<TAP_PREFIX><c> (harness/backends/netns.py).
@@ -140,33 +158,66 @@ def open_packet_socket(ifname: str) -> socket.socket:
 REALTIME_PRIORITY = 10
 
 
-def use_realtime_priority() -> str:
+def use_realtime_priority(priority: int = REALTIME_PRIORITY) -> str:
     """Run under SCHED_FIFO where allowed, so a frame leaves when its delay is up, not when a busy CPU gets round
     to this process (on 2 loaded cores a normal priority added ~1 ms per hop). The loop sleeps in select whenever
-    nothing is due, so it cannot starve the machine. Returns the policy in force, for the log."""
+    nothing is due, so it cannot starve the machine. Returns the policy in force, for the log. Linux applies it to
+    the calling thread only."""
     try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
         return "SCHED_FIFO"
     except (PermissionError, OSError):
         return "SCHED_OTHER"
 
 
+@dataclass(frozen=True)
+class DelaySchedule:
+    """A hop's delay replayed from a profile's trace (harness/net/trace.py): `delays_s[i]` from `times_s[i]` seconds
+    after the start until the next row, the last row after the trace ends, the first before the start."""
+
+    times_s: tuple[float, ...]
+    delays_s: tuple[float, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> DelaySchedule:
+        """--delay-trace "seconds:ms,seconds:ms,..." (harness/net/trace.py hop_delay_schedule)."""
+        rows = [row.split(":") for row in text.split(",")]
+        return cls(tuple(float(t) for t, _ in rows), tuple(float(ms) / 1000 for _, ms in rows))
+
+    def delay_s_at(self, elapsed_s: float | None) -> float:
+        """The delay `elapsed_s` after the start; None: the start has not come yet."""
+        if elapsed_s is None:
+            return self.delays_s[0]
+        return self.delays_s[max(0, bisect.bisect_right(self.times_s, elapsed_s) - 1)]
+
+
 class Direction:
     """One way through the link: when each frame read may leave, and whether it is dropped."""
 
-    def __init__(self, delay_s: float, jitter_s: float, loss: float, reorder: bool, seed: int):
+    def __init__(
+        self, delay_s: float, jitter_s: float, loss: float, reorder: bool, seed: int,
+        schedule: DelaySchedule | None = None, loss_model: GilbertElliott | None = None,
+    ):  # fmt: skip
         self.delay_s, self.jitter_s, self.loss, self.reorder = delay_s, jitter_s, loss, reorder
+        # With a schedule: its zero on CLOCK_MONOTONIC, which the harness sends when training starts.
+        self.schedule, self.started_at = schedule, None
         self.random = random.Random(seed)
+        self.bursty = GilbertElliottLoss(loss_model, self.random) if loss_model is not None else None
         self.last_release = 0.0
-        self.frames = self.bytes = self.dropped = self.send_errors = 0
+        self.frames = self.bytes = self.dropped = self.bursts = self.send_errors = 0
+        # Whether the frame before was dropped: a burst (a run of drops) is counted at its first.
+        self.dropping = False
 
     def release_time(self, now: float) -> float | None:
         """When a frame read at `now` leaves, or None when it is lost."""
         self.frames += 1
-        if self.loss and self.random.random() < self.loss:
+        lost = self.bursty.lost() if self.bursty is not None else bool(self.loss) and self.random.random() < self.loss
+        self.bursts += lost and not self.dropping
+        self.dropping = lost
+        if lost:
             self.dropped += 1
             return None
-        release = now + self.delay_s
+        release = now + self.delay_at(now)
         if self.jitter_s:
             release += self.random.uniform(-self.jitter_s, self.jitter_s)
         if not self.reorder:
@@ -174,8 +225,20 @@ class Direction:
         self.last_release = release
         return release
 
+    def delay_at(self, now: float) -> float:
+        """The delay of a frame read at `now` (CLOCK_MONOTONIC): the fixed one, or the schedule's row in force."""
+        if self.schedule is None:
+            return self.delay_s
+        return self.schedule.delay_s_at(None if self.started_at is None else now - self.started_at)
+
     def counters(self) -> dict:
-        return {"frames": self.frames, "bytes": self.bytes, "dropped": self.dropped, "send_errors": self.send_errors}
+        return {
+            "frames": self.frames,
+            "bytes": self.bytes,
+            "dropped": self.dropped,
+            "bursts": self.bursts,
+            "send_errors": self.send_errors,
+        }
 
 
 class DelayLine:
@@ -233,12 +296,22 @@ class DelayLine:
                 raise
             direction.send_errors += 1
 
+    def _read_start(self) -> None:
+        """The harness's one line on stdin, "start <CLOCK_MONOTONIC seconds>": the delay schedule's zero (the same
+        clock in every namespace of the host). Listened for once; an end of file (no start) leaves the first row."""
+        words = os.read(0, 256).decode(errors="replace").split()
+        self.selector.unregister(0)
+        if len(words) == 2 and words[0] == "start":
+            self.to_switch.started_at = self.to_cluster.started_at = float(words[1])
+
     def run(self) -> None:
         # select(2) sleeps to the microsecond; epoll (the default selector) rounds its timeout up to whole
         # milliseconds, which added 0-1 ms to every hop.
-        selector = selectors.SelectSelector()
+        selector = self.selector = selectors.SelectSelector()
         selector.register(self.packet, selectors.EVENT_READ, (self._read_packet, self.to_switch))
         selector.register(self.tap_fd, selectors.EVENT_READ, (self._read_tap, self.to_cluster))
+        if self.to_switch.schedule is not None:
+            selector.register(0, selectors.EVENT_READ, (self._read_start, None))
         while not self.stopping:
             now = time.monotonic()
             while self.pending and self.pending[0][0] <= now:
@@ -257,6 +330,28 @@ class DelayLine:
         return {"to_switch": self.to_switch.counters(), "to_cluster": self.to_cluster.counters()}
 
 
+def delay_line_log_name(cluster: int) -> str:
+    """The delay line of cluster `cluster` logs here, in a run's logs/ (its counters are its last line)."""
+    return f"delayline-c{cluster}.log"
+
+
+def read_counters(log: Path) -> dict | None:
+    """The counters a delay line wrote on its stderr (`log`) when it was stopped: {"to_switch": {...}, "to_cluster":
+    {...}}; None when it wrote none (it never ran, or was killed)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            counters = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(counters, dict) and {"to_switch", "to_cluster"} <= set(counters):
+            return counters
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.net.delayline", description=__doc__.splitlines()[0])
     parser.add_argument("--run-key", required=True, help="the run this link belongs to (for `harness cleanup`)")
@@ -266,6 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jitter-ms", type=float, default=0.0)
     parser.add_argument("--loss-pct", type=float, default=0.0, help="this hop's loss, each direction")
     parser.add_argument("--reorder", action="store_true", help="let jitter reorder frames")
+    parser.add_argument(
+        "--delay-trace",
+        type=DelaySchedule.parse,
+        help='this hop\'s delay over time, "seconds:ms,...", instead of --delay-ms; its zero comes on stdin',
+    )
+    parser.add_argument(
+        "--ge-p", type=float, help="bursty loss (Gilbert-Elliott) of the frames the cluster sends: P(good -> bad)"
+    )
+    parser.add_argument("--ge-r", type=float, help="P(bad -> good); default 1 - p, as netem")
+    parser.add_argument("--ge-h", type=float, default=0.0, help="P(a frame is delivered in the bad state)")
+    parser.add_argument("--ge-k", type=float, default=1.0, help="P(a frame is delivered in the good state)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parent-pid", type=int, help="the harness: exit if it is already gone")
     args = parser.parse_args(argv)
@@ -274,12 +380,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1  # the harness died before the parent-death signal was armed: nobody would stop this process
     scheduling = use_realtime_priority()
 
-    def direction(offset: int) -> Direction:
+    def direction(offset: int, loss_model: GilbertElliott | None = None) -> Direction:
         return Direction(
-            args.delay_ms / 1000, args.jitter_ms / 1000, args.loss_pct / 100, args.reorder, args.seed * 2 + offset
-        )
+            args.delay_ms / 1000, args.jitter_ms / 1000, args.loss_pct / 100, args.reorder, args.seed * 2 + offset,
+            schedule=args.delay_trace, loss_model=loss_model,
+        )  # fmt: skip
 
-    line = DelayLine(args.veth, args.tap, to_switch=direction(0), to_cluster=direction(1))
+    bursty = None
+    if args.ge_p is not None:
+        bursty = GilbertElliott(args.ge_p, 1 - args.ge_p if args.ge_r is None else args.ge_r, args.ge_h, args.ge_k)
+    # The loss model once per path direction: on what this cluster sends only (module doc).
+    line = DelayLine(args.veth, args.tap, to_switch=direction(0, bursty), to_cluster=direction(1))
 
     def stop(signum: int, frame: object) -> None:
         line.stopping = True

@@ -12,7 +12,8 @@ What a link's keys mean, between two clusters (sites):
 - ``delay``: the ONE-WAY delay between two clusters; the round-trip time is 2 x delay (``rtt_ms``). A profile with
   a 40 ms RTT says ``delay: 20ms``.
 - ``jitter``: how much the one-way delay varies (delay +- jitter); a round trip varies by up to 2 x jitter.
-- ``loss``: the chance that a packet sent from one cluster never reaches the other (one-way).
+- ``loss``: the chance that a packet sent from one cluster never reaches the other (one-way), each packet alike; or
+  a mapping, ``{model: gemodel, p: 1%, r: 30%}``, for bursty loss (harness/net/lossmodel.py).
 - ``reorder`` (default false): whether jitter may reorder packets. Without it every packet leaves after the one
   ahead of it, as on a real path, and a jitter larger than the delay is refused (it could only be had by
   reordering).
@@ -40,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.errors import UserError
+from harness.net.lossmodel import GilbertElliott, LossModelError
+from harness.net.tracepoints import LinkTrace
 from harness.units import format_rate
 
 MIN_RATE_BPS = 8_000
@@ -206,6 +209,17 @@ def parse_loss_pct(value: object) -> float:
     return pct
 
 
+def parse_loss(value: object, where: str) -> dict[str, object]:
+    """`loss: 0.1%` (each packet alike) or `loss: {model: gemodel, ...}` (bursty, harness/net/lossmodel.py) -> the
+    LinkSpec fields it sets (the other one cleared, so a site's loss replaces the inter_cluster link's)."""
+    if isinstance(value, dict):
+        try:
+            return {"loss_model": GilbertElliott.from_yaml(value), "loss_pct": 0.0}
+        except LossModelError as err:
+            raise ProfileError(f"{where}: {err}") from None
+    return {"loss_pct": parse_loss_pct(value), "loss_model": None}
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     """How one link is shaped. An empty spec leaves the link unshaped."""
@@ -220,6 +234,9 @@ class LinkSpec:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
+    # Bursty loss (a profile's `loss:` mapping, harness/net/lossmodel.py): applied once per path direction, whole,
+    # never halved into hops; a parsed link has it or loss_pct, a path (Profile.path) may have both.
+    loss_model: GilbertElliott | None = None
     # Whether jitter may reorder packets (netem's behaviour); by default a packet never overtakes the one before it.
     reorder: bool = False
 
@@ -249,7 +266,12 @@ class LinkSpec:
 
     @property
     def needs_netem(self) -> bool:
-        return self.delay_ms > 0 or self.jitter_ms > 0 or self.loss_pct > 0
+        return self.delay_ms > 0 or self.jitter_ms > 0 or self.loss_fraction > 0
+
+    @property
+    def loss_fraction(self) -> float:
+        """The chance a packet is lost one way: the independent loss and the loss model's stationary rate composed."""
+        return self.loss_pct / 100 + (self.loss_model.loss_rate if self.loss_model else 0.0) * (1 - self.loss_pct / 100)
 
     @property
     def shaped(self) -> bool:
@@ -292,6 +314,8 @@ class LinkSpec:
             parts.append(rtt)
         if self.loss_pct:
             parts.append(f"loss {self.loss_pct:g}%")
+        if self.loss_model is not None:
+            parts.append(self.loss_model.describe())
         return ", ".join(parts)
 
     def check(self, where: str) -> None:
@@ -328,10 +352,11 @@ class LinkSpec:
             "burst": ("burst_bytes", parse_size_bytes),
             "delay": ("delay_ms", lambda v: parse_time_ms(v, "delay")),
             "jitter": ("jitter_ms", lambda v: parse_time_ms(v, "jitter")),
-            "loss": ("loss_pct", parse_loss_pct),
             "reorder": ("reorder", lambda v: _parse_bool(v, f"{where}: reorder")),
         }
         kwargs = {field: parse(data[key]) for key, (field, parse) in parsers.items() if key in data}
+        if "loss" in data:
+            kwargs.update(parse_loss(data["loss"], where))
         if "queue" in data:
             kwargs.update(parse_queue(data["queue"], f"{where}: queue"))
         if "burst_bytes" in kwargs:
@@ -339,6 +364,14 @@ class LinkSpec:
         spec = _located(where, lambda: cls(**kwargs))
         spec.check(where)
         return spec
+
+    def to_dict(self) -> dict:
+        """Its fields, the loss model as a mapping (a run's config.json; from_dict reads it back, or its absence)."""
+        return {**self.__dict__, "loss_model": self.loss_model and self.loss_model.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LinkSpec:
+        return cls(**{**data, "loss_model": data.get("loss_model") and GilbertElliott.from_dict(data["loss_model"])})
 
 
 def _refuse_latency(data: dict, where: str) -> None:
@@ -384,7 +417,8 @@ def check_burst(rate_bps: int | None, burst_bytes: int, shown: str, where: str =
 class SiteLink:
     """One site's own access link where it differs from the profile's inter_cluster link: `up` shapes what the
     site sends, `down` what it receives. Its delay, jitter and loss are its hop's (module doc), the inter_cluster
-    link's half where the site sets none."""
+    link's half where the site sets none. A loss model (bursty loss) is not halved: it shapes what the site sends,
+    and what it receives crosses the sender's model."""
 
     up: LinkSpec
     down: LinkSpec
@@ -414,8 +448,9 @@ class SiteLink:
         if "jitter" in data:
             shape["jitter_ms"] = 2 * parse_time_ms(data["jitter"], "jitter")
         if "loss" in data:
-            hop_loss = parse_loss_pct(data["loss"]) / 100
-            shape["loss_pct"] = 100 * (1 - (1 - hop_loss) ** 2)
+            shape.update(parse_loss(data["loss"], where))
+            # A loss model is stored whole: it applies once, to what the site sends (harness/net/delayline.py).
+            shape["loss_pct"] = 100 * (1 - (1 - shape["loss_pct"] / 100) ** 2)
 
         def link(rate_bps: int | None) -> LinkSpec:
             # The burst follows the site's rate unless the site sets one.
@@ -428,7 +463,7 @@ class SiteLink:
         return site
 
     def to_dict(self) -> dict:
-        return {"up": self.up.__dict__, "down": self.down.__dict__}
+        return {"up": self.up.to_dict(), "down": self.down.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -440,15 +475,23 @@ class Profile:
     source: str = ""
     # Sites (clusters, by index) whose access link differs from inter_cluster: uneven links, stragglers.
     sites: dict[int, SiteLink] = field(default_factory=dict)
+    # The inter_cluster link's rate and/or delay over time (a profile's `trace`); its first row is inter_cluster's.
+    trace: LinkTrace | None = None
 
     @property
     def needs_netem(self) -> bool:
         sites = any(link.up.needs_netem for link in self.sites.values())
         return self.inter_cluster.needs_netem or self.intra_cluster.needs_netem or sites
 
+    @property
+    def has_loss_model(self) -> bool:
+        """Whether any link has bursty loss (a loss model), which only the userspace delay line runs."""
+        links = [self.inter_cluster, self.intra_cluster, *(link.up for link in self.sites.values())]
+        return any(link.loss_model is not None for link in links)
+
     def path(self, a: int, b: int) -> LinkSpec:
         """The path between sites a and b as one LinkSpec: the slower rate, and the two hops' delay, jitter and loss
-        added (losses composed). Without sites, the inter_cluster link itself."""
+        added (losses composed), and the loss model of what a sends. Without sites, the inter_cluster link itself."""
         hop_a, hop_b = self.uplink(a), self.uplink(b)
         rates = [r for r in (hop_a.rate_bps, self.downlink(b).rate_bps) if r is not None]
         return dataclasses.replace(
@@ -458,6 +501,7 @@ class Profile:
             delay_ms=hop_a.hop_delay_ms + hop_b.hop_delay_ms,
             jitter_ms=hop_a.hop_jitter_ms + hop_b.hop_jitter_ms,
             loss_pct=100 * (1 - (1 - hop_a.hop_loss_pct / 100) * (1 - hop_b.hop_loss_pct / 100)),
+            loss_model=hop_a.loss_model,
         )
 
     def uplink(self, cluster: int) -> LinkSpec:
@@ -480,15 +524,16 @@ class Profile:
                     f", its hop {hop.hop_delay_ms:g} ms one-way" if hop.delay_ms else "",
                     f" +- {hop.hop_jitter_ms:g} ms" if hop.jitter_ms else "",
                     f", loss {hop.hop_loss_pct:.3g}%" if hop.loss_pct else "",
+                    f", sends with {hop.loss_model.describe()}" if hop.loss_model else "",
                 ]
             )
             lines.append(f"  except site {site}:  --[up {up}]--> switch --[down {down}]--> site {site}{extra}")
-            if hop.delay_ms or hop.loss_pct:
+            if hop.delay_ms or hop.loss_fraction:
                 other = 0 if site else 1
                 path = self.path(site, other)
                 lines.append(
                     f"    path site {site} <-> site {other}: RTT {path.rtt_ms:g} ms"
-                    + (f", loss {path.loss_pct:.3g}%" if path.loss_pct else "")
+                    + (f", loss {100 * path.loss_fraction:.3g}%" if path.loss_fraction else "")
                     + " (a site's parsed delay_ms is twice its hop's: LinkSpecs hold path figures)"
                 )
         return lines
@@ -507,9 +552,10 @@ class Profile:
             "name": self.name,
             "description": self.description,
             "source": self.source,
-            "inter_cluster": self.inter_cluster.__dict__,
-            "intra_cluster": self.intra_cluster.__dict__,
+            "inter_cluster": self.inter_cluster.to_dict(),
+            "intra_cluster": self.intra_cluster.to_dict(),
             "sites": {str(site): link.to_dict() for site, link in sorted(self.sites.items())},
+            "trace": self.trace.to_dict() if self.trace else None,
         }
 
     @classmethod
@@ -518,11 +564,12 @@ class Profile:
         return cls(
             data["name"],
             data["description"],
-            LinkSpec(**data["inter_cluster"]),
-            LinkSpec(**data["intra_cluster"]),
+            LinkSpec.from_dict(data["inter_cluster"]),
+            LinkSpec.from_dict(data["intra_cluster"]),
             data["source"],
             {
-                int(site): SiteLink(LinkSpec(**link["up"]), LinkSpec(**link["down"]))
+                int(site): SiteLink(LinkSpec.from_dict(link["up"]), LinkSpec.from_dict(link["down"]))
                 for site, link in data.get("sites", {}).items()
             },
+            LinkTrace.from_dict(data["trace"]) if data.get("trace") else None,
         )

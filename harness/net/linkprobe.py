@@ -17,7 +17,8 @@ bulk TCP streams fill the link both ways, as a ring all-reduce does: the RTT beh
 
 A run whose median RTT misses the profile's by more than max(5%, 1 ms) (plus twice the jitter, which a FIFO link
 without reordering shifts upwards), or whose loss misses by more than 20% relative plus three binomial standard
-errors, is flagged `link_check_ok: false` (the CLI says so; the run still trains).
+errors (widened by a loss model's dispersion: bursty losses make the count vary more), is flagged
+`link_check_ok: false` (the CLI says so; the run still trains).
 """
 
 from __future__ import annotations
@@ -157,15 +158,18 @@ def plan(rate_bps: int | None) -> tuple[int, float]:
     return max(100, min(MAX_PROBES, int(pps * PROBE_WINDOW_S))), pps
 
 
-def evaluate(measured: dict, rtt_target_ms: float, jitter_ms: float, loss_target: float) -> dict[str, Any]:
-    """The summary's link_* fields from one probe's results; `loss_target` a fraction."""
+def evaluate(
+    measured: dict, rtt_target_ms: float, jitter_ms: float, loss_target: float, loss_dispersion: float = 1.0
+) -> dict[str, Any]:
+    """The summary's link_* fields from one probe's results; `loss_target` a fraction. `loss_dispersion`: how much
+    more than binomially the count of lost probes varies (a loss model's bursts, harness/net/lossmodel.py)."""
     rtts = measured["rtt_ms"]
     sent, received = measured["sent"], measured["server_received"]
     rtt = statistics.median(rtts) if rtts else None
     loss = 1 - received / sent if received is not None and sent else None
     rtt_allowed = max(RTT_TOLERANCE * rtt_target_ms, RTT_TOLERANCE_MS) + 2 * jitter_ms
     rtt_ok = rtt is not None and abs(rtt - rtt_target_ms) <= rtt_allowed
-    loss_allowed = LOSS_TOLERANCE * loss_target + 3 * math.sqrt(max(loss_target, 1 / sent) / sent)
+    loss_allowed = LOSS_TOLERANCE * loss_target + 3 * math.sqrt(loss_dispersion * max(loss_target, 1 / sent) / sent)
     loss_ok = loss is not None and abs(loss - loss_target) <= loss_allowed
     one_way = sorted(measured["one_way_ms"])
     return {
@@ -242,7 +246,8 @@ def check_link(cluster: Any, topology: Any, spec: Any, out: Path) -> dict[str, A
     probe_args = ["probe", "--count", str(count), "--pps", repr(pps)]
     sent, _ = _between_clusters(cluster, topology, ["serve"], probe_args, timeout_s)
     measured = json.loads(sent)
-    fields = evaluate(measured, spec.rtt_ms, spec.jitter_ms, spec.loss_pct / 100)
+    dispersion = spec.loss_model.loss_dispersion if spec.loss_model is not None else 1.0
+    fields = evaluate(measured, spec.rtt_ms, spec.jitter_ms, spec.loss_fraction, dispersion)
     out.write_text(
         json.dumps(
             {

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from harness.errors import read_yaml
 from harness.net.link import LinkSpec, Profile, ProfileError, SiteLink, parse_rate_bps
+from harness.net.trace import check_rows, load_trace, max_rate_bps, with_first_row
+from harness.net.tracepoints import LinkTrace
 from harness.units import format_rate
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "netem_profiles"
@@ -19,7 +21,7 @@ PROFILE_DIR = Path(__file__).resolve().parents[2] / "netem_profiles"
 # the CPU, not the qdisc, sets the rate and the benchmark would silently measure the wrong link. Override with
 # HARNESS_MAX_RATE.
 SHAPEABLE_BPS_PER_CORE = 1.5e9
-_PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster", "sites"}
+_PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster", "sites", "trace"}
 
 
 def known_profiles() -> list[str]:
@@ -56,8 +58,18 @@ def load_profile(name_or_path: str) -> Profile:
     unknown = set(data) - _PROFILE_KEYS
     if unknown:
         raise ProfileError(f"profile {path} has unknown keys {sorted(unknown)}; allowed: {sorted(_PROFILE_KEYS)}")
-    inter_cluster = LinkSpec.from_yaml(data.get("inter_cluster"), f"{path.name}: inter_cluster")
     sites = data.get("sites") or {}
+    trace = _trace(data, path)
+    link_yaml = data.get("inter_cluster")
+    if trace is not None:
+        if sites:
+            raise ProfileError(
+                f"{path.name} has a trace and sites; a trace replays every site's link alike, so remove one of them"
+            )
+        link_yaml = with_first_row(link_yaml, trace, path.name)
+    inter_cluster = LinkSpec.from_yaml(link_yaml, f"{path.name}: inter_cluster")
+    if trace is not None:
+        check_rows(inter_cluster, trace, path.name)
     # YAML reads `true:` as a bool, which Python counts as an int: refused, or the workers get int("True").
     if not isinstance(sites, dict) or not all(type(k) is int and k >= 0 for k in sites):
         raise ProfileError(
@@ -73,7 +85,17 @@ def load_profile(name_or_path: str) -> Profile:
             site: SiteLink.from_yaml(link, inter_cluster, f"{path.name}: sites: {site}")
             for site, link in sorted(sites.items())
         },
+        trace=trace,
     )
+
+
+def _trace(data: dict, path: Path) -> LinkTrace | None:
+    """The profile's `trace: FILE` (harness/net/trace.py), FILE relative to the profile's folder or absolute."""
+    if "trace" not in data:
+        return None
+    if not isinstance(data["trace"], str) or not data["trace"].strip():
+        raise ProfileError(f"{path.name}: trace must name a CSV file, e.g. trace: traces/mine.csv")
+    return load_trace(path.parent / data["trace"].strip(), f"{path.name}: trace")
 
 
 def _folder_error(name_or_path: str) -> ProfileError:
@@ -113,6 +135,8 @@ def check_shapeable(profile: Profile) -> None:
     links = [("inter_cluster", profile.inter_cluster), ("intra_cluster", profile.intra_cluster)]
     for site, link in sorted(profile.sites.items()):
         links += [(f"site {site}'s uplink", link.up), (f"site {site}'s downlink", link.down)]
+    if profile.trace is not None and max_rate_bps(profile.trace) is not None:
+        links.append(("its trace's fastest row", LinkSpec(rate_bps=max_rate_bps(profile.trace))))
     for which, spec in links:
         if spec.rate_bps is not None and spec.rate_bps > ceiling:
             raise ProfileError(
@@ -126,8 +150,8 @@ def profiles_table_rows() -> list[dict]:
     """One row per shipped profile, for `harness profiles list`: rate, RTT, jitter and loss side by side.
 
     Keys: name, rate (e.g. "1 Gbit/s", or "unshaped"), rate_bps (int or None), rtt (e.g. "40 ms", "-" without
-    delay), rtt_ms, jitter ("+- 2 ms" on the round trip, or "-"), jitter_ms (one-way), loss ("1%" one-way, or "-"),
-    loss_pct, description.
+    delay), rtt_ms, jitter ("+- 2 ms" on the round trip, or "-"), jitter_ms (one-way), loss ("1%" one-way, "3.85%
+    GE" for a loss model's stationary rate, or "-"), loss_pct, description.
     """
     rows = []
     for name in known_profiles():
@@ -142,9 +166,14 @@ def profiles_table_rows() -> list[dict]:
                 "rtt_ms": link.rtt_ms,
                 "jitter": f"+- {2 * link.jitter_ms:g} ms" if link.jitter_ms else "-",
                 "jitter_ms": link.jitter_ms,
-                "loss": f"{link.loss_pct:g}%" if link.loss_pct else "-",
+                "loss": f"{link.loss_pct:g}%" if link.loss_pct else _bursty_loss(link),
                 "loss_pct": link.loss_pct,
                 "description": profile.description,
             }
         )
     return rows
+
+
+def _bursty_loss(link: LinkSpec) -> str:
+    """A loss model's stationary rate, e.g. "3.85% GE" (Gilbert-Elliott); "-" without one."""
+    return f"{100 * link.loss_fraction:.3g}% GE" if link.loss_model is not None else "-"

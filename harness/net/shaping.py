@@ -4,7 +4,9 @@ A rate alone becomes a tbf root qdisc. Delay, jitter or loss with the netem link
 and tbf its child, so packets are delayed and then rate-limited; netem gets the link's per-hop share (half the
 profile's one-way delay and jitter, the loss that composes over two hops to the profile's). Kernels without
 sch_netem are detected up front (see `probe_qdiscs`); there the userspace delay line (harness/net/delayline.py) takes
-delay, jitter and loss, and this module sets only the rate. Nothing here degrades silently.
+delay, jitter and loss, and this module sets only the rate. A loss model (bursty loss, harness/net/lossmodel.py) is
+refused with netem: pyroute2's netem encoder sends no TCA_NETEM_LOSS attribute, so netem would run without it. Nothing
+here degrades silently.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 from pyroute2 import IPRoute
 
-from harness.net.link import LinkSpec
+from harness.net.link import LinkSpec, ProfileError
 
 # qdisc kinds a profile may need, probed by creating each on a loopback inside a throwaway namespace.
 PROBED_QDISCS = ("tbf", "htb", "netem")
@@ -71,6 +73,12 @@ def apply_link_spec(ip: IPRoute, ifname: str, spec: LinkSpec, netem: bool = Fals
     the per-hop share of a path of two such links, or all of it with `one_hop` (loopback, the intra-cluster link)."""
     if not spec.shaped:
         return []
+    if netem and spec.loss_model is not None:
+        # pyroute2's netem encoder has no TCA_NETEM_LOSS attribute: netem would run without the model, silently.
+        raise ProfileError(
+            "netem as the harness drives it (pyroute2) takes no loss model; use the userspace delay line "
+            "(--link-emulator userspace) for bursty loss"
+        )
     index = ip.link_lookup(ifname=ifname)[0]
     applied = []
     if netem and spec.needs_netem:
@@ -98,6 +106,13 @@ def change_link_rate(ip: IPRoute, ifname: str, spec: LinkSpec, netem: bool = Fal
     handle, parent = (0x100000, {"parent": 0x10001}) if under_netem else (0x10000, {})
     ip.tc("change", "tbf", index, handle, **parent, **_tbf_kwargs(spec))
     return {"dev": ifname, "kind": "tbf", "handle": "10:" if under_netem else "1:", **_tbf_kwargs(spec)}
+
+
+def tbf_backlog_bytes(ip: IPRoute, ifname: str) -> int:
+    """The bytes waiting in the tbf on `ifname` now (its qdisc statistics)."""
+    index = ip.link_lookup(ifname=ifname)[0]
+    (tbf,) = [msg for msg in ip.get_qdiscs(index) if msg.get_attr("TCA_KIND") == "tbf"]
+    return tbf.get_attr("TCA_STATS")["backlog"]
 
 
 def read_qdiscs(ip: IPRoute, ifname: str) -> list[dict]:

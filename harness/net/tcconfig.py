@@ -23,6 +23,8 @@ What does not carry over, either way:
   exported only when it says ``reorder: true``; a loaded file with ``delay-distro`` gets ``reorder: true``.
 - A profile's `sites` (one site's own access link) are refused: the file is one device's settings, and every host
   of every site applies the same one.
+- A loss model (bursty loss, harness/net/lossmodel.py) is refused: tcconfig 0.30 has no setting for netem's
+  ``loss gemodel``.
 - Egress shaping alone does not hold incast (ARCHITECTURE.md, "Measured limits"); the emulation shapes both ends.
 
 Loading refuses what the harness cannot express (incoming shaping, network or port filters, several devices or
@@ -95,7 +97,18 @@ def export_tcconfig(profile: Profile, device: str = "eth0", allow_reorder: bool 
             "same settings on every host) cannot hold; export a copy of the profile without `sites` for the other "
             f"hosts and one whose inter_cluster link is site {site}'s for that site's hosts"
         )
+    if profile.trace is not None:
+        raise ProfileError(
+            f"profile {profile.name!r} replays a trace, which a tcconfig file (one fixed rate and delay per device) "
+            "cannot hold; export a profile without `trace`"
+        )
     link = profile.inter_cluster
+    if link.loss_model is not None:
+        raise ProfileError(
+            f"profile {profile.name!r} has bursty loss (a loss model), for which tcconfig has no setting; export a "
+            f"copy of the profile with its stationary rate as a plain loss (loss: {100 * link.loss_fraction:.3g}%), "
+            "which loses as many packets but not in bursts"
+        )
     if link.jitter_ms and not link.reorder and not allow_reorder:
         raise ProfileError(
             f"profile {profile.name!r} has jitter without reorder: true, but netem (which tcconfig drives) reorders "

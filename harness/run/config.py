@@ -22,6 +22,7 @@ from harness.errors import UserError
 from harness.net.link import Profile
 from harness.net.profiles import check_shapeable, load_profile
 from harness.net.topology import Topology
+from harness.net.trace import replays_rate
 from harness.run.faults import Fault, check_faults, parse_fault
 from trainers.config import OptimConfig, TrainConfig
 
@@ -101,6 +102,14 @@ class RunConfig:
         """The method's typed, validated config, built once from (method, method_options); raises UserError."""
         return check_method_options(self.method, self.method_options)
 
+    @property
+    def resolved_options(self) -> dict[str, Any]:
+        """Every field of method_config, defaults included, JSON-safe: what config.json and summary.json record as
+        method_options (`method_options` here, and method_options_given there, are only the options given)."""
+        from trainers.registry import recorded_options
+
+        return recorded_options(self.method_config)
+
     def validate(self) -> None:
         """Everything the user chose, checked together before the host is touched; raises UserError."""
         Topology(self.clusters, self.stages)
@@ -115,6 +124,7 @@ class RunConfig:
             self.profile.inter_cluster.rate_bps,
             link=self.profile.inter_cluster,
         )
+        self._check_trace()
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         try:
@@ -151,6 +161,21 @@ class RunConfig:
                 check_data(self.train.data, seq_len, self.clusters, data_shift=self.train.data_shift)
             except ValueError as err:
                 raise UserError(str(err)) from None
+
+    def _check_trace(self) -> None:
+        """A replayed trace (harness/net/trace.py) needs links that change under a live run, and sets the rate alone."""
+        if self.profile.trace is None:
+            return
+        if not capabilities(self.backend).link_faults:
+            raise UserError(
+                f"profile {self.profile.name!r} replays a trace, which needs the netns backend (whose links can change "
+                "under a live run); use --backend netns or a profile without a trace"
+            )
+        if replays_rate(self.profile.trace) and any(f.kind == "rate" for f in self.parsed_faults()):
+            raise UserError(
+                f"--fault rate and profile {self.profile.name!r}'s trace both set the link's rate; drop the fault or "
+                "use a trace without a rate column"
+            )
 
     def parsed_faults(self) -> tuple[Fault, ...]:
         return tuple(parse_fault(text) for text in self.faults)
@@ -190,6 +215,7 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["profile"] = self.profile.to_dict()
+        data["method_options"], data["method_options_given"] = self.resolved_options, data["method_options"]
         return data
 
     def save(self, path: Path) -> None:
@@ -248,4 +274,6 @@ class RunConfig:
         optim = train.pop("optim")
         optim["betas"] = tuple(optim["betas"])
         data["faults"] = tuple(data.get("faults", ()))
+        # What the user gave is the config's input; a config.json older than method_options_given holds only that.
+        data["method_options"] = data.pop("method_options_given", data.get("method_options", {}))
         return cls(profile=profile, train=TrainConfig(optim=OptimConfig(**optim), **train), **data)

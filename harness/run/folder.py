@@ -4,6 +4,7 @@
     environment.json     what the numbers depend on (harness/run/summary.py's environment)
     summary.json         the headline figures (harness/run/summary.py's summarize), written last
     link_check.json      what the link emulator delivered (harness/net/linkprobe.py), when it was measured
+    link_trace.jsonl     a replayed trace's start, rate changes and uplink samples (harness/run/linktrace.py)
     events/rank<R>.jsonl one JSON object per line: what rank R did (harness/run/events.py writes them)
     events/faults.jsonl  the faults injected (harness/run/faults.py)
     ranks/rank<R>.json   rank R's own result, written when it finishes
@@ -13,8 +14,9 @@ The folder is built under a hidden staging name next to its final place and rena
 results folder either holds a finished run (status "ok" or "failed") or does not exist.
 
 Everything that reads a run folder reads it through `read_summary`, `read_config`, `read_environment`,
-`read_rank_result` and `read_events`: a file that is empty, binary, cut short, not a JSON object or without the keys
-its readers index raises an `UnreadableResults` naming the file, instead of a traceback deep in a report.
+`read_rank_result`, `read_events` and `read_link_trace`: a file that is empty, binary, cut short, not a JSON object
+or without the keys its readers index raises an `UnreadableResults` naming the file, instead of a traceback deep in
+a report.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class RunPaths:
     @property
     def link_check(self) -> Path:
         return self.root / "link_check.json"
+
+    @property
+    def link_trace(self) -> Path:
+        return self.root / "link_trace.jsonl"
 
     @property
     def events_dir(self) -> Path:
@@ -383,21 +389,44 @@ def read_rank_result(run_dir: Path, rank: int) -> dict[str, Any] | None:
 def read_events(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     """All complete events of one rank, [] where it logged none; a last line cut short by a killed writer is
     skipped, anything else that is not an event raises UnreadableResults."""
-    path = RunPaths(run_dir).events(rank)
+    return _read_lines(RunPaths(run_dir).events(rank), _event_keys)
+
+
+def _read_lines(path: Path, required: Callable[[dict[str, Any]], Iterable[str]]) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, [] where it does not exist (read_events)."""
     if not path.exists():
         return []
     lines = _text(path).splitlines()
-    events = []
+    records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            events.append(_record(line, path, _event_keys, f"line {number}: "))
+            records.append(_record(line, path, required, f"line {number}: "))
         except UnreadableResults:
             # Only the last line can be cut short by a writer killed mid-line; that is not damage.
             if number < len(lines) or _complete(line):
                 raise
-    return events
+    return records
+
+
+# Per kind of link_trace.jsonl record, what summarize and the trace figure index.
+LINK_TRACE_KEYS = {
+    "start": ("t0_monotonic", "t0_wall", "clusters"),
+    "rate": ("t_s", "rate_bps"),
+    "sample": ("t_s", "tx_bytes", "backlog_bytes"),
+    "error": ("error",),
+}
+
+
+def read_link_trace(run_dir: Path) -> list[dict[str, Any]]:
+    """link_trace.jsonl's records, [] where the run replayed no trace (or never started training); as read_events."""
+    return _read_lines(RunPaths(run_dir).link_trace, _link_trace_keys)
+
+
+def _link_trace_keys(record: dict[str, Any]) -> list[str]:
+    kind = record.get("kind")
+    return ["kind", *LINK_TRACE_KEYS.get(kind, ())] if isinstance(kind, str) else ["kind"]
 
 
 def _complete(line: str) -> bool:

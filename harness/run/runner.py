@@ -25,10 +25,12 @@ from harness.net.delayline import tun_unavailable_reason
 from harness.net.linkprobe import LinkCheckFailed, check_link, loaded_link
 from harness.net.shaping import probe_qdiscs
 from harness.net.topology import Topology
+from harness.net.trace import replays_delay
 from harness.run.config import RunConfig
 from harness.run.events import EventTail
 from harness.run.faults import FaultInjector
 from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, UnreadableResults, read_events
+from harness.run.linktrace import TraceReplay
 from harness.run.summary import environment, summarize
 from harness.units import format_rate
 
@@ -79,10 +81,31 @@ def resolve_link_emulator(config: RunConfig) -> str | None:
 
     auto takes netem where the kernel has it, else the userspace delay line; a choice the machine cannot honour is
     refused here, before the host is touched. `userspace` puts the delay line in the path even for a profile with
-    no delay (its zero-delay baseline: comparing RTTs with the same forwarding cost in every run).
+    no delay (its zero-delay baseline: comparing RTTs with the same forwarding cost in every run). A trace with a
+    delay column takes the delay line whatever the choice: only it replays a delay schedule; so does a loss model.
     """
     profile = config.profile
     choice = config.link_emulator
+    if profile.trace is not None and replays_delay(profile.trace):
+        if choice == "netem":
+            raise RunError(
+                f"profile {profile.name!r} replays a delay trace, which only the userspace delay line does (netem is "
+                "not changed under a run); use --link-emulator userspace or auto"
+            )
+        choice = "userspace"
+    if profile.has_loss_model:
+        if profile.intra_cluster.loss_model is not None:
+            raise RunError(
+                f"profile {profile.name!r} gives its intra-cluster link a loss model, which only the delay line "
+                "between clusters runs; remove it or move it to inter_cluster"
+            )
+        if choice == "netem" or not capabilities(config.backend).userspace_delay_line:
+            raise RunError(
+                f"profile {profile.name!r} has bursty loss (a loss model), which only the userspace delay line runs "
+                "(pyroute2's netem encoder sends no Gilbert-Elliott parameters); use --backend netns with "
+                "--link-emulator userspace or auto"
+            )
+        choice = "userspace"
     if not profile.needs_netem and choice != "userspace":
         return None
     has_netem = probe_qdiscs(os.geteuid() != 0)["netem"]
@@ -218,6 +241,7 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
     failure: str | None = None
     record: dict[str, Any] = {"link_emulator": emulator, "faults": []}
     injector: FaultInjector | None = None
+    replay: TraceReplay | None = None
     qdiscs: list[dict] = []
     with _Signals() as signals:
         try:
@@ -246,6 +270,9 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
                 }
                 argv = [sys.executable, "-m", "harness.run.worker", "--run-dir", str(run_dir)]
                 procs[rank] = cluster.spawn(rank, argv, env, paths.log(rank))
+            if config.profile.trace is not None:
+                replay = TraceReplay(cluster, run_dir, emulator)
+                replay.start()
             injector = FaultInjector(config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), paths.faults)
             record["faults"] = injector.records
             failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll)
@@ -269,7 +296,7 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
         finally:
             signals.tearing_down = True
             record["interrupted_by"] = signals.received[0] if signals.received else None
-            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector)
+            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector, replay)
     summary["results_dir"] = str(final)
     return summary
 
@@ -283,12 +310,16 @@ def _teardown(
     record: dict[str, Any],
     qdiscs: list[dict],
     injector: FaultInjector | None = None,
+    replay: TraceReplay | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
     teardown_errors = []
     steps = [("stopping the workers", lambda: _stop(procs)), ("removing the cluster", cluster.down)]
     if injector is not None:
         steps.insert(1, ("ending an injected outage", injector.restore))
+    if replay is not None:
+        # Before the cluster goes: the replay reads and re-rates its links.
+        steps.insert(-1, ("stopping the trace replay", replay.stop))
     for what, step in steps:
         try:
             step()

@@ -17,9 +17,12 @@ from typing import Any
 
 from harness.lock import _host_uid
 from harness.net.conformance import conforms, max_excess
+from harness.net.delayline import delay_line_log_name, read_counters
 from harness.net.link import default_burst_bytes
+from harness.net.trace import max_rate_bps
 from harness.run.config import RunConfig
-from harness.run.folder import UnreadableResults, read_events, read_rank_result
+from harness.run.folder import RunPaths, UnreadableResults, read_events, read_link_trace, read_rank_result
+from harness.run.linktrace import summarize_link_trace
 from trainers.models import count_parameters, get_model_config
 
 SUMMARY_SCHEMA = 1
@@ -93,13 +96,16 @@ class _Records:
     config: RunConfig
     ranks: dict[int, dict[str, Any]]
     events: dict[int, list[dict[str, Any]]]
+    # A replayed trace's records (harness/run/linktrace.py).
+    link_trace: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def read(cls, config: RunConfig, run_dir: Path) -> _Records:
         world = config.clusters * config.stages
         results = {rank: read_rank_result(run_dir, rank) for rank in range(world)}
         ranks = {rank: result for rank, result in results.items() if result is not None}
-        return cls(config, ranks, {rank: read_events(run_dir, rank) for rank in range(world)})
+        events = {rank: read_events(run_dir, rank) for rank in range(world)}
+        return cls(config, ranks, events, tuple(read_link_trace(run_dir)))
 
     @property
     def first_stage(self) -> list[int]:
@@ -134,7 +140,9 @@ def _identity(config: RunConfig, status: str, failure: str | None) -> dict[str, 
         "status": status,
         "failure": failure,
         "method": config.method,
-        "method_options": config.method_options,
+        # Every option the method ran with, defaults included (variants are keyed on these); and those given.
+        "method_options": config.resolved_options,
+        "method_options_given": config.method_options,
         # DiLoCoX's overlap mode in force (its default when the user set none); None for other methods.
         "overlap": getattr(config.method_config, "overlap", None),
         "profile": config.profile.name,
@@ -174,6 +182,9 @@ def _per_cluster(records: _Records) -> list[dict[str, Any]]:
         # Each cluster's uplink at its own rate (a profile's `sites` may give it one).
         up, down = config.profile.uplink(cluster), config.profile.downlink(cluster)
         rate = up.rate_bps if config.clusters > 1 else None
+        if rate and config.profile.trace is not None:
+            # A replayed rate moves: the run is held to the trace's fastest row (link_trace_error, to each row).
+            rate = max_rate_bps(config.profile.trace) or rate
         events = records.events[rank]
         per_cluster.append(
             {
@@ -214,6 +225,38 @@ def _link(records: _Records) -> dict[str, Any]:
         "link_conforms": conforms(excess),
         "tcp_retransmitted_segments": sum(retransmitted) if retransmitted else None,
         "tcp_retransmit_fraction": sum(retransmitted) / sum(out_segments) if sum(out_segments or [0]) else None,
+    }
+
+
+def _link_loss(config: RunConfig, run_dir: Path) -> dict[str, Any]:
+    """The inter_cluster link's loss as configured, beside what the delay lines dropped over the whole run (link
+    check included; their counters, None under netem or without an emulator). A loss model runs once per direction
+    on what each cluster sends (harness/net/delayline.py): its figures are the to_switch directions'. Independent
+    loss runs on every hop: measured per hop, the rate composed over a path's two, and the burst is one hop's
+    (1 / (1 - hop loss) configured). Sites with a loss of their own are left out of the measured figures."""
+    profile, link = config.profile, config.profile.inter_cluster
+    model = link.loss_model
+    uplinks = [profile.uplink(c) for c in range(config.clusters)]
+    alike = [c for c, up in enumerate(uplinks) if (up.loss_pct, up.loss_model) == (link.loss_pct, model)]
+    logs = [read_counters(RunPaths(run_dir).logs_dir / delay_line_log_name(c)) for c in alike]
+    directions = ("to_switch",) if model is not None else ("to_switch", "to_cluster")
+    seen = [log[d] for log in logs if log is not None for d in directions] if None not in logs else []
+    frames, dropped, bursts = (sum(d[key] for d in seen) for key in ("frames", "dropped", "bursts"))
+    share = dropped / frames if frames else None
+    if model is not None:
+        configured, burst_configured, measured = model.loss_rate, model.mean_burst_packets, share
+    else:
+        hop = link.hop_loss_pct / 100
+        configured, burst_configured = link.loss_pct / 100, 1 / (1 - hop) if hop else None
+        measured = 1 - (1 - share) ** 2 if share is not None else None
+    return {
+        "link_loss_model": model.to_dict() if model is not None else None,
+        "link_loss_configured": configured,
+        # link_loss_measured is the link check's probe (harness/net/linkprobe.py); this is the whole run's.
+        "link_loss_run_measured": measured,
+        "link_loss_burst_configured": burst_configured,
+        "link_loss_burst_measured": dropped / bursts if bursts else None,
+        "link_loss_packets": frames if seen else None,
     }
 
 
@@ -267,7 +310,9 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         **_identity(config, status, failure),
         **_throughput(records),
         **_link(records),
+        **_link_loss(config, run_dir),
         **_communication(records),
         **_outcome(records),
+        **summarize_link_trace(config.profile, records.link_trace),
         **backend_record,
     }

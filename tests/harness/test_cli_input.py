@@ -466,3 +466,15 @@ def test_the_summary_says_when_tcp_retransmits_are_unknown(fraction, shown, harn
     result, _, _ = harness_cli(["run", "--steps", "3"])
     assert result.exit_code == 0, result.output
     assert f"TCP retransmitted {shown}" in flat(result.output)
+
+
+def test_the_summary_ends_with_the_command_that_compares_the_method(harness_cli, monkeypatch):
+    """One run is n=1: the last line says how to measure it against allreduce with a spread."""
+    monkeypatch.setattr(userns, "needs_reexec", lambda: False)
+    summary = {**SUMMARY, "method": "dilocox", "link_max_excess": 0.98, "link_conforms": True}
+    monkeypatch.setattr(runner, "execute", lambda checked, on_progress=None: summary)
+    result, _, _ = harness_cli(["run", "--method", "dilocox", "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "compare: harness compare --profile 1gbps --methods allreduce,dilocox --seeds 0,1,2 --out results/compare-1gbps"
+    )

@@ -1,11 +1,15 @@
 """Tokens that count are tokens in the final model: each method says how many trained steps its synchronized
-parameters hold, and DiLoCo-style methods synchronize a partial last round unless told not to."""
+parameters hold, DiLoCo-style methods synchronize a partial last round unless told not to, and every method ends
+on the same kind of step (trainers/method.py, Method.finish)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from tests.trainers.spawn import run_ranks
+from tests.trainers.toy import clones, method_context, toy_backward, toy_model
 from trainers.config import OptimConfig
 from trainers.method import MethodContext
 from trainers.registry import build_method, method_config
@@ -79,3 +83,73 @@ def test_max_syncs_counts_the_partial_round():
     assert cfg.max_syncs(25) == 3 and cfg.max_syncs(20) == 2
     assert method_config("opendiloco", {"local_steps": 10, "final_sync": False}).max_syncs(25) == 2
     assert method_config("dilocox", {"local_steps": 125}).max_syncs(200) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Equal ends: two replicas, a schedule that divides the steps evenly
+# ----------------------------------------------------------------------------------------------------------
+
+STEPS, ROUND = 20, 10
+RUNS = {
+    "allreduce": ("allreduce", {}),
+    "local": ("local", {}),
+    "cocktail": ("cocktail", {}),
+    "demo": ("demo", {}),
+    "opendiloco": ("opendiloco", {"local_steps": ROUND}),
+    "sparseloco": ("sparseloco", {"local_steps": ROUND}),
+    # streaming with alpha > 0 (the default overlap, tau = 1, alpha = 0.5), and the other overlap modes.
+    **{
+        f"dilocox-{overlap}": ("dilocox", {"local_steps": ROUND, "adaptive": False, "overlap": overlap})
+        for overlap in ("streaming", "none", "delayed", "eager")
+    },
+}
+
+
+def _ends(rank: int) -> dict:
+    out = {}
+    for name, (method_name, options) in RUNS.items():
+        model = toy_model()
+        ctx = method_context(model, OPTIM, STEPS, dist.group.WORLD)
+        method = build_method(method_name, method_config(method_name, options), ctx)
+        reports = []
+        for step in range(STEPS):
+            toy_backward(model, rank, step)
+            report = method.step(step)
+            if report is not None:
+                reports.append(report.as_event())
+        final = [r.as_event() for r in method.finish()]
+        out[name] = {
+            "applied": method.applied_steps(STEPS),
+            "reports": reports,
+            "finish": final,
+            "theta": clones(method.global_params) if method.keeps_global_copy else [],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory) -> list[dict]:
+    return run_ranks(_ends, (), tmp_path_factory.mktemp("ends"), 2)
+
+
+def test_every_method_applies_every_trained_step(two_replicas):
+    for out in two_replicas:
+        assert {name: run["applied"] for name, run in out.items()} == dict.fromkeys(RUNS, STEPS)
+
+
+def test_dilocox_ends_on_an_ordinary_outer_step_in_every_overlap_mode(two_replicas):
+    """Streaming with alpha > 0 once exchanged a round of no new inner steps in finish() and took a whole Nesterov
+    step on it: now its last round sends at its end, so every outer step ends a round of H inner steps."""
+    for out in two_replicas:
+        for overlap in ("streaming", "none", "delayed", "eager"):
+            run = out[f"dilocox-{overlap}"]
+            outer_steps = [r for r in run["reports"] + run["finish"] if "round_steps" in r]
+            assert [r["round_steps"] for r in outer_steps] == [ROUND] * (STEPS // ROUND), overlap
+            assert all(r["payload_bytes"] > 0 for r in outer_steps)
+        # Nothing is left for streaming's finish(); delayed and eager apply their last exchange there, sending nothing.
+        assert out["dilocox-streaming"]["finish"] == [] and out["dilocox-none"]["finish"] == []
+        for overlap in ("delayed", "eager"):
+            (landed,) = out[f"dilocox-{overlap}"]["finish"]
+            assert landed["payload_bytes"] == 0 and "round_steps" not in landed
+    first, second = (out["dilocox-streaming"]["theta"] for out in two_replicas)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

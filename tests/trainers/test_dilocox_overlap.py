@@ -42,7 +42,7 @@ def test_the_old_switch_maps_to_modes(given, mode):
 def test_the_default_lead_is_a_tenth_of_the_round():
     """tau = H_1 // 10 unless given: what the convergence study ran (5 at H = 50), and never a lead the round lacks."""
     assert DiLoCoXConfig(local_steps=50).overlap_steps == 5
-    assert DiLoCoXConfig().overlap_steps == 12
+    assert DiLoCoXConfig().overlap_steps == 2  # H_1 = 20
     assert DiLoCoXConfig(local_steps=5).overlap_steps == 0
     assert DiLoCoXConfig(local_steps=50, overlap_steps=7).overlap_steps == 7
 
@@ -155,7 +155,8 @@ def test_eager_with_one_replica_restarts_where_blocking_diloco_is():
 
 
 def _hand_streaming() -> dict:
-    """One replica, H = 4, tau = 1, alpha = 0.5, fp16 exchange, lr 0.5, no momentum; weights set by hand."""
+    """One replica, H = 4, tau = 1, alpha = 0.5, fp16 exchange, lr 0.5, no momentum; weights set by hand. The first
+    round of an 8-step run (the round a run ends in sends at its end, not tau steps early)."""
     model = torch.nn.Linear(4, 3)
     with torch.no_grad():
         model.weight.fill_(0.5)
@@ -164,7 +165,7 @@ def _hand_streaming() -> dict:
         local_steps=4, outer_lr=0.5, outer_momentum=0.0, compression=False, adaptive=False, overlap="streaming",
         overlap_steps=1, merge_alpha=0.5,
     )  # fmt: skip
-    method = DiLoCoX(method_context(model, TOY_OPTIM, 4, None), cfg)
+    method = DiLoCoX(method_context(model, TOY_OPTIM, 8, None), cfg)
     theta_0 = clones(method.global_params)
     weights = []
     for step in range(4):
@@ -233,9 +234,10 @@ def _applied(options: dict, steps: int, finish: bool) -> tuple[int, list, list]:
         ("streaming", 25, 16, 21, 16),
         # ... alpha = 0.5 carries them into the next round's exchange.
         ("streaming-blend", 25, 18, 25, 18),
-        # At 29 steps the third round's exchange (started at step 28) is under way when training ends.
-        ("streaming", 29, 16, 24, 24),
-        ("streaming-blend", 29, 18, 29, 28),
+        # At 29 steps the third round would start its exchange at step 28, within tau of the end: the round in which
+        # training ends sends at its end instead (in finish(), all its 9 steps), or is dropped without final sync.
+        ("streaming", 29, 16, 25, 16),
+        ("streaming-blend", 29, 18, 29, 18),
     ],
 )
 def test_applied_steps_in_every_mode(mode, steps, before_finish, final_sync, no_final_sync):

@@ -15,7 +15,7 @@ from tests.harness.fakeruns import write_run
 
 def test_ratios_reductions_utilisation_and_losses(sweep_results):
     table = comparison(load_runs([sweep_results]))
-    ar, dl, local = row(table, "allreduce"), row(table, "opendiloco local_steps=10"), row(table, "local")
+    ar, dl, local = row(table, "allreduce"), row(table, "opendiloco (local_steps=10)"), row(table, "local")
     assert ar["tokens_per_s"] == pytest.approx(1100)
     assert ar["tokens_per_s_std"] == pytest.approx(math.sqrt(2 * 100**2))
     # n = 2: the range, not a standard deviation.

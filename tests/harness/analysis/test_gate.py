@@ -3,6 +3,9 @@ passes, and runs made with other settings are refused."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 from harness.analysis.bands import load_baseline, load_stored_runs
 from harness.analysis.gate import evaluate
 from tests.harness.analysis.repeats import check, fake_run, verdicts, write_repeats
@@ -16,6 +19,21 @@ def test_round_trip_the_reference_runs_pass_their_own_baseline(reference):
     assert "12 of 12 bands hold" in out.output
     found = verdicts(out.output)
     assert len(found) == 12 and set(found.values()) == {"holds"}
+
+
+def test_runs_that_recorded_only_their_given_options_are_read_over_todays_defaults_and_marked(reference, tmp_path):
+    """Run folders from before runs recorded resolved options (harness/analysis/options.py)."""
+    results, path = reference
+    old = tmp_path / "old"
+    shutil.copytree(results, old)
+    for name in ("summary.json", "config.json"):
+        for file in old.rglob(name):
+            data = json.loads(file.read_text())
+            data["method_options"] = data.pop("method_options_given")
+            file.write_text(json.dumps(data))
+    out = check("--baseline", path, "--results", old)
+    assert out.exit_code == 0, out.output
+    assert "12 of 12 bands hold" in out.output and "3 [options as given]" in out.output
 
 
 def test_runs_inside_the_noise_pass(reference, tmp_path):

@@ -52,11 +52,11 @@ def test_breakdown_splits_each_step_into_compute_blocked_and_overlapped(results)
     step_s = 2048 / 500
     assert parts.loc["allreduce", "compute"] == pytest.approx(0.2 * step_s)
     assert parts.loc["allreduce", "blocked"] == pytest.approx(0.8 * step_s)
-    assert parts.loc["opendiloco local_steps=10", "overlapped"] == pytest.approx(0.05)
+    assert parts.loc["opendiloco (local_steps=10)", "overlapped"] == pytest.approx(0.05)
     # The finish event's wait belongs to the last step: 1.6 s over the 15 steps after warm-up, not compute.
     dl_step_s = 2048 / 5000
-    assert parts.loc["opendiloco local_steps=10", "blocked"] == pytest.approx(0.1 * dl_step_s + 1.6 / 15)
-    assert parts.loc["opendiloco local_steps=10", "compute"] == pytest.approx(0.9 * dl_step_s)
+    assert parts.loc["opendiloco (local_steps=10)", "blocked"] == pytest.approx(0.1 * dl_step_s + 1.6 / 15)
+    assert parts.loc["opendiloco (local_steps=10)", "compute"] == pytest.approx(0.9 * dl_step_s)
     assert parts.loc["local", "blocked"] == 0.0
 
 
@@ -64,13 +64,13 @@ def test_loss_band_only_where_there_are_two_runs_or_more(results):
     write_run(results, "ar-s1", "allreduce", seed=1, tokens_per_s=520, val_losses=(5.5, 4.3, 3.9))
     tables = load_runs([results])
     group = tables.runs[tables.runs["profile"] == "1gbps"]
-    colors = {"allreduce": "#000000", "opendiloco local_steps=10": "#111111", "local": "#222222"}
+    colors = {"allreduce": "#000000", "opendiloco (local_steps=10)": "#111111", "local": "#222222"}
     fig = loss_figure(group, eval_curve(tables.events), colors)
     by_tokens = fig.axes[0]
     labels = [t.get_text() for t in by_tokens.get_legend().get_texts()]
     assert labels == [
         "allreduce (n=2, band ± 1 std)",
-        "opendiloco local_steps=10 (n=1, no band)",
+        "opendiloco (local_steps=10) (n=1, no band)",
         "local (n=1, no band), unsynchronized",
     ]
     # One band: allreduce's, the only method with two runs.
@@ -129,7 +129,7 @@ def test_sync_rounds_put_each_field_at_its_round_from_rank_0(tmp_path):
     write_run(tmp_path, "ar", "allreduce")
     tables = load_runs([tmp_path])
     rounds = sync_rounds(tables.runs, tables.events)
-    assert set(rounds["variant"]) == {"dilocox local_steps=5"}
+    assert set(rounds["variant"]) == {"dilocox (local_steps=5)"}
     assert rounds["round"].tolist() == [1, 2, 3, 4]
     assert rounds["sync_rank_r"].tolist() == [7, 6, 5, 4]
     assert rounds["sync_local_steps_h"].tolist() == [6, 7, 8, 9]
@@ -148,7 +148,7 @@ def test_monitor_lines_are_the_mean_over_seeds_with_a_band_only_for_two_runs(tmp
     _write_dilocox(tmp_path, "dx10-s0", seed=0, local_steps=10)
     write_run(tmp_path, "ar", "allreduce")
     tables = load_runs([tmp_path])
-    colors = {"allreduce": "#000000", "dilocox local_steps=10": "#0000ff", "dilocox local_steps=5": "#ff0000"}
+    colors = {"allreduce": "#000000", "dilocox (local_steps=10)": "#0000ff", "dilocox (local_steps=5)": "#ff0000"}
     fig = monitor_figure(tables.runs, sync_rounds(tables.runs, tables.events), colors)
     cosine, ratio, rank, error, steps = fig.axes
 
@@ -176,7 +176,7 @@ def test_monitor_lines_are_the_mean_over_seeds_with_a_band_only_for_two_runs(tmp
     assert corrected.get_ydata().tolist() == pytest.approx([1.7] * 4)
     assert lines(ratio, "#000000") == []  # allreduce logs no monitor
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert labels == ["dilocox local_steps=10 (n=1, no band)", "dilocox local_steps=5 (n=2, band ± 1 std)"]
+    assert labels == ["dilocox (local_steps=10) (n=1, no band)", "dilocox (local_steps=5) (n=2, band ± 1 std)"]
 
 
 def test_rtt_figure_for_runs_that_differ_only_in_round_trip_time(tmp_path):

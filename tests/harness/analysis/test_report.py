@@ -34,7 +34,7 @@ def test_interval_of_three_runs_is_the_student_t_one(tmp_path):
     assert ar["tokens_per_s"] == pytest.approx(1133.333, abs=1e-3)
     assert (ar["tokens_per_s_low"], ar["tokens_per_s_high"]) == pytest.approx((1133.333 - half, 1133.333 + half))
     # Paired ratio: per seed 5, 4.545, 3.846; mean 4.464, sample std 0.5812.
-    dl = row(table, "opendiloco local_steps=5")
+    dl = row(table, "opendiloco (local_steps=5)")
     ratios = [5000 / s for s in speeds]
     mean = sum(ratios) / 3
     std = math.sqrt(sum((r - mean) ** 2 for r in ratios) / 2)
@@ -67,14 +67,14 @@ def test_applied_and_trained_throughput_and_few_syncs_are_shown(tmp_path):
               options={"local_steps": 10})  # fmt: skip
     tables = load_runs([tmp_path])
     table = comparison(tables)
-    dl = row(table, "opendiloco local_steps=10")
+    dl = row(table, "opendiloco (local_steps=10)")
     assert dl["tokens_per_s"] == pytest.approx(4000) and dl["trained_tokens_per_s"] == pytest.approx(6000)
     assert dl["sync_count_min"] == 2 and dl["few_syncs"] and not row(table, "allreduce")["few_syncs"]
     text = markdown(table, tables.runs)
     header = next(x for x in text.splitlines() if x.startswith("| method"))
     assert "| applied tokens/s | trained tokens/s |" in " ".join(header.split())
     cells = cells_of(text, "opendiloco")
-    assert cells[0] == "opendiloco local_steps=10 ⚠ 2 syncs"
+    assert cells[0] == "opendiloco (local_steps=10) ⚠ 2 syncs"
     assert cells[3:5] == ["4,000 (n=1, no spread)", "6,000 (n=1, no spread)"]
     assert "⚠: its runs crossed the slow link fewer than 3 times" in text
     # Where applied and trained agree, there is no trained column.
@@ -84,7 +84,7 @@ def test_applied_and_trained_throughput_and_few_syncs_are_shown(tmp_path):
 
 def test_default_target_is_allreduce_loss_plus_five_percent(sweep_results):
     table = comparison(load_runs([sweep_results]))
-    ar, dl, local = row(table, "allreduce"), row(table, "opendiloco local_steps=10"), row(table, "local")
+    ar, dl, local = row(table, "allreduce"), row(table, "opendiloco (local_steps=10)"), row(table, "local")
     # allreduce's final losses 4.0 and 3.8: mean 3.9, x 1.05.
     assert ar["target_loss"] == pytest.approx(3.9 * 1.05) and ar["target_source"] == "allreduce"
     # allreduce seed 0 gets below 4.095 at step 20 (4.4, then 4.0), seed 1 also at step 20 (4.2, then 3.8) ...
@@ -107,12 +107,12 @@ def test_given_target_and_groups_without_allreduce(sweep_results):
     table = comparison(tables, target_loss=4.0)
     assert set(table["target_loss"]) == {4.0}
     assert row(table, "allreduce")["reached"] == 2
-    assert row(table, "opendiloco local_steps=10")["reached"] == 0
-    assert row(table, "opendiloco local_steps=10", "100mbps")["reached"] == 1
+    assert row(table, "opendiloco (local_steps=10)")["reached"] == 0
+    assert row(table, "opendiloco (local_steps=10)", "100mbps")["reached"] == 1
     assert "Target validation loss: 4.000 (--target-loss)." in markdown(table, tables.runs)
     # Without --target-loss the group without allreduce has no target: one line, no target columns.
     table = comparison(tables)
-    slow = row(table, "opendiloco local_steps=10", "100mbps")
+    slow = row(table, "opendiloco (local_steps=10)", "100mbps")
     assert math.isnan(slow["target_loss"]) and math.isnan(slow["ratio_to_allreduce"])
     assert math.isnan(slow["utilisation"])
     text = markdown(table, tables.runs)
@@ -126,7 +126,7 @@ def test_markdown_shows_the_comparison_and_the_failures(sweep_results):
     text = markdown(comparison(tables), tables.runs)
     assert "### 1gbps (1 Gbit/s) · model tiny" in text and "### 100mbps (100 Mbit/s)" in text
     assert "n: runs aggregated" in text
-    cells = cells_of(text, "opendiloco local_steps=10")
+    cells = cells_of(text, "opendiloco (local_steps=10)")
     # Loss vs allreduce, paired per seed: 4.1 / 4.0 and 4.3 / 3.8.
     assert cells[1:12] == [
         "2", "0,1", "5,500 (range 5,500–5,500)", "5.04x (range 4.58x–5.5x, paired)", "50% (ratio of means)",

@@ -142,6 +142,30 @@ def test_resume_skips_finished_runs_and_redoes_interrupted_and_failed_ones(tmp_p
     assert len(calls) == 4
 
 
+def test_resume_refuses_a_finished_run_whose_options_differ_from_what_it_would_run(tmp_path, fake_runner):
+    """As after a default changed: the finished run's recorded options, defaults included, are not this sweep's."""
+    calls, _ = fake_runner
+    spec = SweepSpec(("allreduce", "opendiloco"), ("1gbps",), (0,), settings={"steps": 20})
+    out = tmp_path / "sweep"
+    run_sweep(spec, out)
+    summary_path = out / "runs" / "opendiloco-1gbps-s0" / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary_path.write_text(json.dumps({**summary, "method_options": {**summary["method_options"], "outer_lr": 0.5}}))
+    calls.clear()
+    with pytest.raises(SweepError, match=r"ran opendiloco with outer_lr=0.5 where this sweep would run outer_lr=0.7 "
+                       r".*pass another --out, or --force to redo the sweep"):  # fmt: skip
+        run_sweep(spec, out)
+    # A folder from before runs recorded resolved options cannot say what it ran.
+    old = {k: v for k, v in summary.items() if k != "method_options_given"}
+    summary_path.write_text(json.dumps({**old, "method_options": {}}))
+    with pytest.raises(SweepError, match="recorded only the options it was given"):
+        run_sweep(spec, out)
+    assert calls == []
+    run_sweep(spec, out, force=True)
+    assert calls == ["allreduce-1gbps-s0", "opendiloco-1gbps-s0"]
+    run_sweep(spec, out)
+
+
 @pytest.mark.parametrize("how", ["truncated", "binary", "list-shaped"])
 def test_a_run_whose_summary_is_damaged_is_run_again(tmp_path, fake_runner, how):
     calls, _ = fake_runner

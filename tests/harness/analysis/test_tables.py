@@ -16,7 +16,7 @@ def test_tidy_tables_have_one_row_per_run_and_per_event(sweep_results):
     tables = load_runs([sweep_results])
     assert len(tables.runs) == 7
     assert set(tables.runs["status"]) == {"ok", "failed"}
-    assert set(tables.runs["variant"]) == {"allreduce", "opendiloco local_steps=10", "local"}
+    assert set(tables.runs["variant"]) == {"allreduce", "opendiloco (local_steps=10)", "local"}
     # Paths are relative to the folder named, so copied sweep_results report the same.
     assert set(tables.runs["path"]) >= {"sweep/runs/ar-s0", "sweep/runs/local-s0"}
     # 2 ranks x (20 steps + 3 evals) per run.

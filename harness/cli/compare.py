@@ -1,0 +1,111 @@
+"""`harness compare`: methods side by side on the same links, seeds and tokens, in time to a target loss."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+from rich.text import Text
+
+from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
+from harness.cli.options import WithMethodOptions, cluster_options, train_options
+from trainers.registry import method_names
+
+
+def _profiles(values: tuple[str, ...]) -> tuple[str, ...]:
+    """Repeatable options that also take comma-separated lists."""
+    return tuple(dict.fromkeys(p for value in values for p in csv_list(value)))
+
+
+@click.command("compare", cls=WithMethodOptions)
+@click.option("--methods", required=True, help=f"Comma-separated methods ({', '.join(method_names())}); allreduce "
+              "sets the default target and the speed-ups, local the utilisation.")  # fmt: skip
+@click.option(
+    "--profile", "profiles", multiple=True, help="A link to measure end to end (repeatable; profile name or YAML)."
+)
+@click.option(
+    "--composed",
+    multiple=True,
+    metavar="PROFILE",
+    help="A link to estimate by composition (repeatable): the loss trajectory of a full run on an unshaped link (or "
+    "on PROFILE, where --profile measures it too) with the step times of a short trace run on PROFILE. For links "
+    "where AllReduce would take too long here; labelled 'composed' wherever it appears.",
+)
+@click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
+@click.option(
+    "--method-set",
+    multiple=True,
+    metavar="METHOD:KEY=VALUE",
+    help="Fix an option for one method only (repeatable), e.g. dilocox:local_steps=20; printed with the table.",
+)
+@click.option(
+    "--method-steps",
+    multiple=True,
+    metavar="METHOD=N",
+    help="Train one method for N steps instead of --steps (repeatable); printed with the table, and the loss gap "
+    "is then taken at the tokens both reached.",
+)
+@click.option(
+    "--target-loss",
+    type=float,
+    help="Validation loss to reach [default: allreduce's final validation loss (mean over its seeds) x 1.05]; "
+    "the only way to compare without allreduce.",
+)
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Compare folder (resumed if it exists).")
+@click.option("--force", is_flag=True, help="Rerun finished runs.")
+@cluster_options
+@train_options
+def compare(methods, profiles, composed, seeds, method_set, method_steps, target_loss, out, force, **flags):
+    """Run methods side by side on shaped links and compare their time to a target loss with AllReduce's.
+
+    Every method trains the same model on the same data with the same seeds to the same steps (so the same applied
+    tokens), on each --profile, as one sweep into OUT (OUT/index.csv, OUT/runs/; `harness report OUT` reads it).
+    Then, per profile and method: time to the target validation loss, the speed-up over AllReduce in that time with
+    its 95% interval (paired per seed), applied tokens/s, utilisation (vs local, where it ran), wire bytes per
+    token, final validation loss and the loss gap to AllReduce at equal tokens; each with n and its interval.
+
+    The target defaults to AllReduce's final validation loss x 1.05 (mean over seeds) and is printed with the table.
+    A --composed link's times are an estimate, labelled "composed" in the table, the summaries, OUT/compare.csv,
+    OUT/compare.json and the figures: a link's trajectory does not depend on its rate, so a full run elsewhere is
+    composed with a short trace on that link (OUT/traces/; docs/comparisons.md says how, and when a trace is
+    flagged as unsteady). A link given both ways also prints composed vs measured. Writes OUT/compare.md,
+    OUT/compare.csv, OUT/compare.json and OUT/figures/; rerunning the command resumes it.
+    """
+    from harness.analysis.compare import CompareSpec, parse_method_steps, run_compare
+    from harness.analysis.compare_report import markdown, summary_lines, write_outputs
+    from harness.analysis.sweep import SweepInterrupted, per_method_settings
+
+    spec = CompareSpec(
+        methods=csv_list(methods),
+        profiles=_profiles(profiles),
+        composed=_profiles(composed),
+        seeds=csv_list(seeds, int),
+        settings={k: v for k, v in flags.items() if v is not None},
+        per_method=per_method_settings(method_set),
+        method_steps=parse_method_steps(method_steps),
+        target_loss=target_loss,
+    )
+    spec.validate()
+    print_warnings(spec.full_sweep().warnings())
+    reexec_if_unprivileged()
+    command = shlex.join(["harness", *sys.argv[1:]])
+    display = SweepProgress()
+    try:
+        with display.bars:
+            result = run_compare(spec, out, force=force, observer=display, command=command)
+    except SweepInterrupted as err:
+        console.print(
+            Text.assemble(("compare interrupted", "yellow"), f" ({err}); run the same command again to resume it")
+        )
+        sys.exit(130)
+    written = write_outputs(result, out, command)
+    click.echo(markdown(result, command))
+    for line in summary_lines(result):
+        print_text(line)
+    print_text(
+        f"wrote {', '.join(p.name for p in written[:3])} in {out}, and {len(written) - 3} figures in {out}/figures"
+    )
+    # The table stands on the runs that finished; a script must still see that some did not.
+    sys.exit(1 if result.failed else 0)
