@@ -68,6 +68,9 @@ class TrainConfig:
     # Every data_shift steps each replica's batches move to another of SHIFT_SEGMENTS (8) contiguous segments of its
     # shard, all replicas at the same steps (trainers/data.py, replica_batches); 0 = off. Validation does not shift.
     data_shift: int = 0
+    # torch threads per rank; 0 = the machine's cores over its ranks (more only adds contention). The CI gate sets
+    # 1, so that a step's parts are timed alike on a machine with more cores (harness/analysis/gate.py).
+    threads_per_rank: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self) -> None:
@@ -92,5 +95,7 @@ class TrainConfig:
         # Whether each segment holds a window depends on the corpus: check_data and replica_batches check that.
         if not (_int(self.data_shift) and self.data_shift >= 0):
             raise ValueError(f"--data-shift must be 0 (off) or a positive number of steps, got {self.data_shift}")
+        if not (_int(self.threads_per_rank) and self.threads_per_rank >= 0):
+            raise ValueError(f"threads_per_rank must be 0 (cores over ranks) or more, got {self.threads_per_rank}")
         if not 0 <= self.throughput_warmup_steps < self.steps:
             raise ValueError(f"--throughput-warmup-steps must be in [0, steps), got {self.throughput_warmup_steps}")

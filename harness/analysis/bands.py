@@ -14,9 +14,11 @@ import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from harness.analysis.measures import measure
 from harness.analysis.options import run_options
 from harness.analysis.sweep import SweepError, SweepSpec, check_keys, profile_name
 from harness.errors import UserError, read_yaml
@@ -26,46 +28,56 @@ from harness.run.config import check_method_options
 from harness.run.folder import RunPaths, find_run_dirs, read_config, read_environment, read_summary
 from trainers.registry import METHODS
 
-BASELINE = "allreduce"
-CEILING = "local"
 DEFAULT_REPEATS = 3
 
 
 @dataclass(frozen=True)
 class Metric:
+    """One gated quantity: the median over a check's runs of one of a run's measures (harness/analysis/measures.py).
+    Why each is gated, and how its floor was measured: harness/analysis/gate.py's module doc."""
+
     name: str
-    floor: float  # the smallest tolerance `harness baseline` writes (gate.py's module doc)
-    most: float  # a tolerance at or above this gates nothing useful: `harness baseline` refuses it
+    floor: float  # the smallest tolerance `harness baseline` writes
+    most: float  # a tolerance at or above this cannot catch what the gate is for: `harness baseline` refuses it
     what: str  # why `most` matters, for the refusal
-    relative_to: str | None = None  # tokens/s over this method's (the same profile's runs)
-    upper_only: bool = False
-    summary_key: str = "tokens_per_s"
-    # Whether `harness baseline` writes a band for it; a band given by hand is checked either way.
-    derived: bool = True
+    cause: str  # printed beside a value outside the band: what it most likely means
+    measure: str = ""  # the run measure it is the median of [default: its name]
+
+    @property
+    def measure_key(self) -> str:
+        return self.measure or self.name
 
 
 METRICS: dict[str, Metric] = {
     m.name: m
     for m in (
-        Metric("utilisation", 0.35, 1.0, "could not catch a halving of its throughput", relative_to=CEILING),
-        # Not derived: the ratio to AllReduce moves with the machine's compute speed (AllReduce is link-bound here,
-        # the others compute-bound). The gate's own runs measured cocktail at 3.12x AllReduce when local ran at
-        # 27,282 tokens/s and 1.54x on a day it ran at 13,224 (same code): a band wide enough for both catches
-        # nothing, one narrow enough to catch a regression fails on a slower machine. Utilisation (over local's in
-        # the same check) holds the throughput instead.
-        Metric("ratio", 0.9, math.inf, "", relative_to=BASELINE, derived=False),
-        Metric("wire_bytes_per_token", 0.1, 1.0, "could not catch twice the bytes", summary_key="wire_bytes_per_token"),
         Metric(
-            "final_val_loss",
-            0.02,
-            0.1,
-            "could not catch a loss 10% higher",
-            upper_only=True,
-            summary_key="final_val_loss",
+            "step_overhead", 0.06, 0.15, "could not catch a step 15% slower",
+            "compute: the method's own work per step (all but waiting on the link) changed against its forward and "
+            "backward pass: its step, compression or outer step got slower (or faster)",
+        ),
+        Metric(
+            "step_time_residual", 0.05, 0.25, "could not catch an exchange no longer hidden",
+            "link: the run waited on the link longer (or shorter) than its bytes, schedule and link predict: an "
+            "exchange no longer hidden, an extra exchange or round trip, or a link slower than its profile",
+        ),
+        Metric(
+            "payload_bytes_per_token", 0.001, 0.02, "could not catch 2% more bytes",
+            "bytes: the method hands its collectives another number of bytes per applied token (its payload, its "
+            "exchanges or the tokens they carry changed)",
+        ),
+        Metric(
+            "wire_overhead", 0.015, 0.1, "could not catch 10% more bytes on the wire per payload byte",
+            "link: another number of bytes crossed the link per payload byte (retransmissions, framing, or messages "
+            "the method does not count as payload)",
+        ),
+        Metric(
+            "final_val_loss", 0.002, 0.005, "could not catch a loss 0.5% higher",
+            "loss: training at the fixed seed ended at another loss (the update, the data or the numerics changed)",
         ),
     )
-}
-BAND_KEYS = ("reference", "spread", "tolerance")
+}  # fmt: skip
+BAND_KEYS = ("reference", "noise", "tolerance")
 CHECK_KEYS = ("method", "profile")
 TOP_KEYS = ("run", "checks")
 RUN_KEYS = ("seed", "repeats", "methods")  # run: keys that are not sweep settings
@@ -76,6 +88,8 @@ SWEEP_FLAGS = frozenset(
     {"model", "steps", "batch_size", "seq_len", "eval_every", "throughput_warmup_steps", "microbatches",
      "pipeline_schedule", "lr", "data", "clusters", "stages", "backend"}
 )  # fmt: skip
+# Metrics of the gate before it measured what does not move with the machine's compute (harness/analysis/gate.py).
+FORMER_METRICS = ("utilisation", "ratio", "wire_bytes_per_token")
 
 
 class BaselineError(UserError):
@@ -86,19 +100,19 @@ class BaselineError(UserError):
 class Band:
     metric: str
     reference: float
-    spread: float  # relative spread of the repeats the band was derived from
+    noise: float  # one run's relative standard deviation over the repeats the band was derived from
     tolerance: float
 
     @property
-    def lower(self) -> float | None:
-        return None if METRICS[self.metric].upper_only else self.reference / (1 + self.tolerance)
+    def lower(self) -> float:
+        return self.reference / (1 + self.tolerance)
 
     @property
     def upper(self) -> float:
         return self.reference * (1 + self.tolerance)
 
     def holds(self, value: float) -> bool:
-        return (self.lower is None or value >= self.lower) and value <= self.upper
+        return self.lower <= value <= self.upper
 
 
 @dataclass(frozen=True)
@@ -157,14 +171,14 @@ def _band(metric: str, entry: Any, where: str) -> Band:
     where = f"{where}: {metric}"
     if not isinstance(entry, dict) or sorted(entry) != sorted(BAND_KEYS):
         raise BaselineError(f"{where} must be a mapping of exactly {', '.join(BAND_KEYS)}, got {entry!r}")
-    reference, spread, tolerance = (_number(entry[k]) for k in BAND_KEYS)
+    reference, noise, tolerance = (_number(entry[k]) for k in BAND_KEYS)
     if reference is None or reference <= 0:
         raise BaselineError(f"{where}: reference must be a positive number, got {entry['reference']!r}")
-    if spread is None or spread < 0:
-        raise BaselineError(f"{where}: spread must be a number of at least 0, got {entry['spread']!r}")
+    if noise is None or noise < 0:
+        raise BaselineError(f"{where}: noise must be a number of at least 0, got {entry['noise']!r}")
     if tolerance is None or tolerance < 0:
         raise BaselineError(f"{where}: tolerance must be a number of at least 0, got {entry['tolerance']!r}")
-    return Band(metric, reference, spread, tolerance)
+    return Band(metric, reference, noise, tolerance)
 
 
 def _require_keys(entry: dict, required: Sequence[str], allowed: Sequence[str], where: str) -> None:
@@ -181,6 +195,13 @@ def _check(entry: Any, index: int, folder: Path) -> MethodCheck:
     allowed = (*CHECK_KEYS, *METRICS)
     if not isinstance(entry, dict):
         raise BaselineError(f"{where} must be a mapping with method, profile and metric bands ({', '.join(METRICS)})")
+    former = [k for k in FORMER_METRICS if k in entry]
+    if former:
+        raise BaselineError(
+            f"{where} gates {former[0]}, a metric of the gate before it measured only what does not move with the "
+            "machine's compute speed; write a new baseline with `harness baseline RESULTS --out FILE` from a folder "
+            "of repeats (`harness baseline --diff OLD NEW` shows what changed)"
+        )
     _require_keys(entry, CHECK_KEYS, allowed, where)
     if entry["method"] not in METHODS:
         raise BaselineError(f"{where}: unknown method {entry['method']!r}; known methods: {', '.join(METHODS)}")
@@ -247,11 +268,9 @@ def load_baseline(path: Path) -> Baseline:
 # --- running what a baseline needs -------------------------------------------------------------------------------
 
 
-def _needed_methods(checks: Sequence[MethodCheck]) -> list[str]:
-    """The checks' methods plus those their metrics divide by, allreduce and local first."""
-    wanted = [m for c in checks for m in (*(METRICS[b.metric].relative_to for b in c.bands), c.method) if m is not None]
-    order = {BASELINE: 0, CEILING: 1}
-    return sorted(dict.fromkeys(wanted), key=lambda m: order.get(m, 2))
+def _needed_methods(checks: Sequence[MethodCheck], methods: Sequence[str] | None = None) -> list[str]:
+    """The checks' methods (those of `methods` only, where given), in the baseline's order."""
+    return [c.method for c in checks if methods is None or c.method in methods]
 
 
 def _profiles(baseline: Baseline) -> dict[str, list[MethodCheck]]:
@@ -261,11 +280,14 @@ def _profiles(baseline: Baseline) -> dict[str, list[MethodCheck]]:
     return by_profile
 
 
-def needed_runs(baseline: Baseline, repeats: int | None = None) -> list[SweepSpec]:
-    """One sweep per profile over the methods its checks need, `repeats` runs each (default: the baseline's)."""
+def needed_runs(
+    baseline: Baseline, repeats: int | None = None, methods: Sequence[str] | None = None
+) -> list[SweepSpec]:
+    """One sweep per profile over the methods its checks need (those of `methods` only, where given), `repeats`
+    runs each (default: the baseline's)."""
     return [
         SweepSpec(
-            methods=tuple(_needed_methods(checks)),
+            methods=tuple(_needed_methods(checks, methods)),
             profiles=(profile,),
             seeds=(baseline.seed,),
             settings=baseline.settings,
@@ -273,6 +295,7 @@ def needed_runs(baseline: Baseline, repeats: int | None = None) -> list[SweepSpe
             repeats=repeats or baseline.repeats,
         )
         for profile, checks in _profiles(baseline).items()
+        if _needed_methods(checks, methods)
     ]
 
 
@@ -282,13 +305,19 @@ def _flag_value(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
-def sweep_command(baseline: Baseline, out: str) -> list[str]:
-    """The `harness sweep` command(s) that make the runs `harness check` would make, into `out` (forced: fresh)."""
+def sweep_command(
+    baseline: Baseline, out: str, methods: Sequence[str] | None = None, repeats: int | None = None
+) -> list[str]:
+    """The `harness sweep` command(s) that make the runs `harness check` would make (of `methods` only, where
+    given; `repeats` each, default the baseline's), into `out` (forced: fresh)."""
     commands = []
     for profile, checks in _profiles(baseline).items():
+        wanted = _needed_methods(checks, methods)
+        if not wanted:
+            continue
         shown = profile if profile in known_profiles() else os.path.relpath(profile)
-        words = ["harness", "sweep", "--methods", ",".join(_needed_methods(checks)), "--profiles", shown]
-        words += ["--seeds", str(baseline.seed), "--repeats", str(baseline.repeats)]
+        words = ["harness", "sweep", "--methods", ",".join(wanted), "--profiles", shown]
+        words += ["--seeds", str(baseline.seed), "--repeats", str(repeats or baseline.repeats)]
         for key, value in baseline.settings.items():
             if key in SWEEP_FLAGS:
                 words += [f"--{key.replace('_', '-')}", _flag_value(value)]
@@ -312,6 +341,7 @@ class StoredRun:
     summary: Mapping[str, Any]
     config: Mapping[str, Any]
     environment: Mapping[str, Any] = field(default_factory=dict)
+    run_dir: Path | None = None  # where it is, for its measures; None for a run known only by its files' contents
 
     @property
     def method(self) -> str:
@@ -328,6 +358,13 @@ class StoredRun:
     def value(self, key: str) -> float | None:
         value = self.summary.get(key)
         return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+    @cached_property
+    def measures(self) -> Mapping[str, float | None]:
+        """What the gate measures of it (harness/analysis/measures.py); none for a failed run."""
+        if not self.ok or self.run_dir is None:
+            return {}
+        return measure(self.run_dir, self.summary)
 
     def settings(self) -> dict[str, Any]:
         return flat_settings(self.config, self.summary)
@@ -351,7 +388,7 @@ def load_stored_runs(paths: Sequence[Path]) -> list[StoredRun]:
         summary, files = read_summary(run_dir), RunPaths(run_dir)
         config = read_config(run_dir) if files.config.is_file() else {}
         environment = read_environment(run_dir) if files.environment.is_file() else {}
-        runs.append(StoredRun(relative, summary, config, environment))
+        runs.append(StoredRun(relative, summary, config, environment, run_dir))
     return runs
 
 
@@ -380,10 +417,8 @@ def differences(want: Mapping[str, Any], have: Mapping[str, Any]) -> list[str]:
 def format_value(metric: str, value: float | None) -> str:
     if value is None:
         return "-"
-    if metric == "ratio":
-        return f"{value:.3g}x"
     if metric == "final_val_loss":
-        return f"{value:.3f}"
-    if metric == "utilisation":
-        return f"{value:.3f}"
-    return f"{value:,.4g}"
+        return f"{value:.4f}"
+    if metric == "payload_bytes_per_token":
+        return f"{value:,.5g}"
+    return f"{value:.4f}"

@@ -1,6 +1,6 @@
 """`harness baseline`: a baseline file derived from a folder of repeats, and written with a header that says how to
-regenerate it. How a band is derived (reference, spread, tolerance = max(floor, K x spread)) and why those floors:
-harness/analysis/gate.py's module doc.
+regenerate it. How a band is derived (reference, noise, tolerance = max(floor, K x noise)) and why those floors:
+harness/analysis/gate.py's module doc. What changed between two baseline files: harness/analysis/baseline_diff.py.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import yaml
 
 from harness.analysis.bands import (
     BAND_KEYS,
-    BASELINE,
-    CEILING,
-    DEFAULT_REPEATS,
     METRICS,
     Band,
     Baseline,
@@ -42,15 +39,19 @@ from harness.net.profiles import known_profiles
 from harness.run.config import RunConfig
 from trainers.registry import options_shown
 
-TOLERANCE_K = 3.0
-MIN_REPEATS = 2
+TOLERANCE_K = 4.0
+MIN_REPEATS = 5
+# Runs per method a check makes (the file's run: repeats): the median of 3 against the bands' median of >= 5 keeps
+# the check within 5 minutes on 2 cores (gate.py's module doc, K).
+CHECK_REPEATS = 3
 # Settings `harness baseline` always writes into run: (others only where a run differs from the default).
 ALWAYS_WRITTEN = ("model", "steps", "batch_size", "eval_every", "clusters", "stages")
 
 
-def _spread(values: Sequence[float]) -> float:
+def _noise(values: Sequence[float]) -> float:
+    """One run's relative standard deviation over the repeats."""
     median = statistics.median(values)
-    return (max(values) - min(values)) / abs(median) if median else 0.0
+    return statistics.stdev(values) / abs(median) if median and len(values) > 1 else 0.0
 
 
 def _round_up(value: float, places: int = 3) -> float:
@@ -61,18 +62,18 @@ def _significant(value: float, digits: int) -> float:
     return float(f"{value:.{digits}g}")
 
 
-def derive_band(metric: str, reference: float, spreads: Sequence[float], where: str) -> Band:
-    """The band of one metric (gate.py's module doc): spread root-sum-squared over the sides, tolerance =
-    max(floor, K x it)."""
+def derive_band(metric: str, values: Sequence[float], where: str) -> Band:
+    """The band of one metric from its repeats (gate.py's module doc): reference = their median, tolerance =
+    max(floor, K x noise)."""
     spec = METRICS[metric]
-    spread = math.sqrt(sum(s * s for s in spreads))
-    tolerance = _round_up(max(spec.floor, TOLERANCE_K * spread))
+    noise = _noise(values)
+    tolerance = _round_up(max(spec.floor, TOLERANCE_K * noise), 4)
     if tolerance >= spec.most:
         raise BaselineError(
-            f"{where}: {metric} varied by {spread:.0%} over the repeats, so its band (x{1 + tolerance:.2f} either "
-            f"way) {spec.what}; measure the repeats again on a quieter machine"
+            f"{where}: {metric} varied by {noise:.1%} (one standard deviation) over the repeats, so its band "
+            f"(x{1 + tolerance:.3f} either way) {spec.what}; measure the repeats again on a quieter machine"
         )
-    return Band(metric, _significant(reference, 4), _significant(spread, 3), tolerance)
+    return Band(metric, _significant(statistics.median(values), 6), _significant(noise, 3), tolerance)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Derived:
     medians: Mapping[tuple[str, str], Mapping[str, float | None]]  # (method, profile) -> metric -> median
     runs: Mapping[tuple[str, str], int]
     results: str  # the folder, as the user named it
+    repeats: int  # the repeats the bands were derived from (the file's run: repeats is what a check makes)
     machine: str = ""  # where the runs were measured, from their environment.json
 
 
@@ -98,7 +100,7 @@ def _one_configuration(runs: Sequence[StoredRun], results: str) -> tuple[dict[st
             raise BaselineError(
                 f"{results} mixes runs made with different settings ({first.path} has {key}={settings[key]!r}, "
                 f"{run.path} {key}={run.settings()[key]!r}); derive a baseline from the repeats of one configuration "
-                "(one `harness sweep --repeats 3`)"
+                f"(one `harness sweep --repeats {MIN_REPEATS}`)"
             )
         mine = run_options(run.summary, run.config)
         seen, theirs = chosen.setdefault(run.method, (run, mine))
@@ -114,7 +116,7 @@ def _one_configuration(runs: Sequence[StoredRun], results: str) -> tuple[dict[st
 
 def _run_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     """run: settings: the usual ones always, the others where they differ from the defaults."""
-    defaults = flat_settings(RunConfig.build(BASELINE, "unshaped").to_dict())
+    defaults = flat_settings(RunConfig.build("allreduce", "unshaped").to_dict())
     written = {}
     for key, value in settings.items():
         if key == "seed" or key not in defaults:
@@ -156,58 +158,32 @@ def derive_baseline(results: Path) -> Derived:
     for run in runs:
         groups.setdefault((run.method, run.profile), []).append(run)
     profiles = {run.profile: _profile_for(run, where) for run in runs}
-    for profile in profiles:
-        for needed in (BASELINE, CEILING):
-            if (needed, profile) not in groups:
-                raise BaselineError(
-                    f"{where} has no {needed} runs on {profile}; utilisation is tokens/s over local's and ratio "
-                    f"over allreduce's, so run {BASELINE} and {CEILING} too"
-                )
     for (method, profile), group in groups.items():
         if len(group) < MIN_REPEATS:
             raise BaselineError(
-                f"{where} holds {len(group)} {method} run on {profile}; a baseline's tolerances come from the spread "
-                f"of repeats, so run the sweep with --repeats {DEFAULT_REPEATS}"
+                f"{where} holds {len(group)} {method} run(s) on {profile}; a baseline's tolerances come from the "
+                f"noise of at least {MIN_REPEATS} repeats, so run the sweep with --repeats {MIN_REPEATS}"
             )
 
-    def values(method: str, profile: str, key: str) -> list[float]:
-        return [v for v in (r.value(key) for r in groups[(method, profile)]) if v is not None]
-
-    order = {BASELINE: 0, CEILING: 1}
+    order = {"allreduce": 0, "local": 1}
     checks, medians = [], {}
     for method, profile in sorted(groups, key=lambda k: (k[1], order.get(k[0], 2), k[0])):
+        group = groups[(method, profile)]
         label = f"{method} on {profile}"
         bands = []
-        tokens = values(method, profile, "tokens_per_s")
-        syncs = values(method, profile, "sync_count")
         for name, metric in METRICS.items():
-            if not metric.derived:
-                continue
-            if name == "wire_bytes_per_token" and not (syncs and statistics.median(syncs) > 0):
-                continue  # a method that never synchronizes sends only connection set-up bytes
-            if metric.relative_to is not None:
-                if method in (BASELINE, CEILING):
-                    continue  # 1 by definition, or a measure of the machine's speed rather than of the method
-                divisor = values(metric.relative_to, profile, "tokens_per_s")
-                if not tokens or not divisor:
-                    continue
-                reference = statistics.median(tokens) / statistics.median(divisor)
-                bands.append(derive_band(name, reference, [_spread(tokens), _spread(divisor)], label))
-                continue
-            own = values(method, profile, metric.summary_key)
-            if own and statistics.median(own) > 0:
-                bands.append(derive_band(name, statistics.median(own), [_spread(own)], label))
+            values = [v for v in (r.measures.get(metric.measure_key) for r in group) if v is not None]
+            if len(values) == len(group):
+                bands.append(derive_band(name, values, label))
         if bands:
             checks.append(MethodCheck(method, profiles[profile], tuple(bands)))
-        medians[(method, profile)] = {
-            key: statistics.median(v) if (v := values(method, profile, key)) else None
-            for key in ("tokens_per_s", "wire_bytes_per_token", "final_val_loss")
-        }
+        tokens = [v for v in (r.value("tokens_per_s") for r in group) if v is not None]
+        medians[(method, profile)] = {"tokens_per_s": statistics.median(tokens) if tokens else None}
     seed = settings.get("seed", 0)
     repeats = min(len(g) for g in groups.values())
-    baseline = Baseline(tuple(checks), _run_settings(settings), method_options, seed, repeats)
+    baseline = Baseline(tuple(checks), _run_settings(settings), method_options, seed, CHECK_REPEATS)
     counts = {key: len(group) for key, group in groups.items()}
-    return Derived(baseline, medians, counts, where, _machine(runs))
+    return Derived(baseline, medians, counts, where, repeats, _machine(runs))
 
 
 def _machine(runs: Sequence[StoredRun]) -> str:
@@ -263,17 +239,15 @@ def _shown_profile(profile: str, folder: Path) -> str:
 
 
 def _band_comment(band: Band) -> str:
-    if band.lower is None:
-        return f"at most {format_value(band.metric, band.upper)}"
     return f"{format_value(band.metric, band.lower)} to {format_value(band.metric, band.upper)}"
 
 
 def baseline_text(derived: Derived, out: Path) -> str:
     """The baseline file: a header that says how to regenerate it and how its bands were derived, then the data."""
     baseline = derived.baseline
-    commands = [*sweep_command(baseline, derived.results)]
+    commands = [*sweep_command(baseline, derived.results, repeats=derived.repeats)]
     commands.append(shlex.join(["harness", "baseline", derived.results, "--out", str(out)]))
-    floors = ", ".join(f"{m.name} {m.floor:g}" for m in METRICS.values() if m.derived)
+    floors = ", ".join(f"{m.name} {m.floor:g}" for m in METRICS.values())
     lines = [
         f"# The CI gate: `harness check --baseline {out}` (.ci/run runs it after the tests).",
         f"# Written by `harness baseline` from the runs in {derived.results}. Regenerate it, runs and all, with:",
@@ -284,13 +258,11 @@ def baseline_text(derived: Derived, out: Path) -> str:
     if derived.machine:
         lines += [f"# The runs were measured on: {derived.machine}.", "#"]
     lines += [
-        "# Each band: reference = the median over the repeats (utilisation: tokens/s over local's, a quotient of",
-        "# medians); spread = (max - min) / median over the repeats (for a quotient, both sides' spreads",
-        f"# root-sum-squared); tolerance = max(floor, {TOLERANCE_K:g} x spread), floors:",
-        f"# {floors}.",
-        "# A band holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance); final_val_loss",
-        "# has only the upper bound. Each line's comment shows its band. Why these floors and K = 3: the docstring",
-        "# of harness/analysis/gate.py; why no band on the ratio to allreduce: harness/analysis/bands.py.",
+        "# Each band: reference = the median over the repeats; noise = one run's relative standard deviation over",
+        f"# them; tolerance = max(floor, {TOLERANCE_K:g} x noise), floors: {floors}.",
+        "# A band holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance). Each line's",
+        "# comment shows its band. What each metric is, why these floors and K: the docstring of",
+        "# harness/analysis/gate.py. What changed against an older baseline: harness baseline --diff OLD NEW.",
         "run:",
     ]
     lines += [f"  {key}: {_flow(value)}" for key, value in baseline.settings.items()]
@@ -331,15 +303,15 @@ def write_baseline(results: Path, out: Path) -> Derived:
 
 
 def bands_table(baseline: Baseline) -> str:
-    """What a baseline allows: each band's reference, spread, tolerance and bounds."""
-    header = ["method", "profile", "metric", "reference", "spread", "tolerance", "lower", "upper"]
+    """What a baseline allows: each band's reference, noise, tolerance and bounds."""
+    header = ["method", "profile", "metric", "reference", "noise", "tolerance", "lower", "upper"]
     rows = [
         [
             c.method,
             c.profile_name,
             b.metric,
             format_value(b.metric, b.reference),
-            f"{b.spread:.3g}",
+            f"{b.noise:.3g}",
             f"{b.tolerance:g}",
             format_value(b.metric, b.lower),
             format_value(b.metric, b.upper),

@@ -31,6 +31,7 @@ at a time on the link.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -185,10 +186,12 @@ class Schedule:
         return total
 
 
-def parameter_shapes(model: str) -> list[torch.Size]:
-    """The model's parameter shapes, built on the meta device: no memory, so the 107B shape works too."""
+@functools.cache
+def parameter_shapes(model: str) -> tuple[torch.Size, ...]:
+    """The model's parameter shapes, built on the meta device: no memory, so the 107B shape works too. Cached: the
+    gate predicts every run it reads, and building even the meta model takes a tenth of a second."""
     with torch.device("meta"):
-        return [p.shape for p in DecoderLM(get_model_config(model)).parameters()]
+        return tuple(p.shape for p in DecoderLM(get_model_config(model)).parameters())
 
 
 def schedule(config: RunConfig, link: LinkModel) -> Schedule:

@@ -206,9 +206,11 @@ def plot(results, out):
 def check(baseline, results, repeats, out):
     """Exit 1 when a metric falls outside its band in the baseline; 0 when all hold; 2 on a bad baseline.
 
-    Per method and profile: utilisation (tokens/s over local's), ratio (over allreduce's), wire bytes per applied
-    token, final validation loss. A band holds when reference / (1 + tolerance) <= measured <= reference x (1 +
-    tolerance); the loss has only the upper bound.
+    Per method and profile, metrics that do not move with the machine's compute speed: step_overhead (a step's own
+    time over its forward and backward), step_time_residual (measured over link-model-predicted time, from the
+    run's own compute), payload bytes per applied token, wire bytes per payload byte, final validation loss. A band
+    holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance). Each band that does not hold
+    is printed with its likely cause (compute, link, bytes, loss).
     """
     import tempfile
 
@@ -229,20 +231,39 @@ def check(baseline, results, repeats, out):
     click.echo(gate.results_table(outcomes))
     outside = [o for o in outcomes if not o.ok]
     click.echo(f"{len(outcomes) - len(outside)} of {len(outcomes)} bands hold")
+    if outside:
+        click.echo(gate.failures_text(outcomes))
     click.echo(f"runs: {results}")
     sys.exit(1 if outside else 0)
 
 
 @click.command("baseline")
-@click.argument("results", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Baseline YAML to write.")
-def baseline(results, out):
-    """Write a baseline for `harness check` from RESULTS, a folder of repeats (a sweep with --repeats 3).
+@click.argument("results", required=False, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Baseline YAML to write.")
+@click.option(
+    "--diff",
+    nargs=2,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="OLD NEW",
+    help="Print what changed between two baseline files (settings, checks, every band) instead.",
+)
+def baseline(results, out, diff):
+    """Write a baseline for `harness check` from RESULTS, a folder of >= 5 repeats (a sweep with --repeats 5).
 
-    Every method gets two-sided bands (module doc of harness/analysis/baseline.py): reference = the median over its
-    repeats, tolerance = max(floor, 3 x their relative spread). RESULTS must hold allreduce and local runs and one
-    configuration per method. The file's header holds the one command that regenerates it.
+    Every method gets two-sided bands (harness/analysis/gate.py's module doc): reference = the median over its
+    repeats, tolerance = max(floor, 4 x one run's relative standard deviation). RESULTS must hold one
+    configuration per method. The file's header holds the one command that regenerates it. With --diff OLD NEW:
+    what changed between two baselines.
     """
+    if diff:
+        if results is not None or out is not None:
+            raise click.UsageError("--diff OLD NEW compares two files; give it without RESULTS and --out")
+        from harness.analysis.baseline_diff import diff_text
+
+        click.echo(diff_text(*diff), nl=False)
+        return
+    if results is None or out is None:
+        raise click.UsageError("give RESULTS and --out FILE (or --diff OLD NEW)")
     from harness.analysis.baseline import bands_table, write_baseline
 
     derived = write_baseline(results, out)

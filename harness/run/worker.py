@@ -140,7 +140,7 @@ def main() -> int:
     topology = Topology(config.clusters, config.stages)
     writer = log = EventWriter(paths.events(rank), rank=rank)
     # Ranks share the machine's cores; more threads than cores per rank only adds contention.
-    torch.set_num_threads(int(os.environ.get("HARNESS_THREADS", max(1, (os.cpu_count() or 1) // world_size))))
+    torch.set_num_threads(config.train.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size))
     try:
         device, backend = device_and_backend(rank, world_size)
         dist.init_process_group(

@@ -38,6 +38,7 @@ def write_run(
     applied_steps: int | None = None,
     sync_fields: Callable[[int, int], dict] | None = None,
     finish_fields: dict | None = None,
+    wire_factor: float = 1.0,
 ) -> Path:
     """A finished run whose every step takes tokens_per_step / tokens_per_s seconds; evals spread over the steps.
 
@@ -48,7 +49,8 @@ def write_run(
     those (applied tokens per second), as a real run does.
     sync_fields: a method's own per-sync fields (already `sync_`-prefixed, as DiLoCoX's), a function of (rank, k) for
     the k-th sync (from 1), added to that sync's step event. finish_fields: added to the `finish` event, which they
-    make a run log even without finish_blocked_s.
+    make a run log even without finish_blocked_s. wire_factor: the kernel's wire bytes over the payload bytes the
+    sync events carry (TCP/IP framing, retransmissions).
     """
     eval_every = steps // (len(val_losses) - 1)
     config = build_config(method, profile, seed, {"steps": steps, "eval_every": eval_every, **(options or {})})
@@ -110,7 +112,7 @@ def write_run(
             "window_s": window_steps * step_s,
             "tokens": steps * tokens_per_step,
             "optimizer_state_bytes": 1000,
-            "wire_bytes": wire_bytes_per_token * steps * tokens_per_step / config.clusters,
+            "wire_bytes": wire_factor * wire_bytes_per_token * steps * tokens_per_step / config.clusters,
         }
         (run_dir / "ranks" / f"rank{rank}.json").write_text(json.dumps(result))
     summary = summarize(config, run_dir, failure, {})

@@ -1,24 +1,34 @@
-"""`harness check` (harness/analysis/gate.py) on made-up run folders: realistic regressions fail, run-to-run noise
-passes, and runs made with other settings are refused."""
+"""`harness check` (harness/analysis/gate.py) on made-up run folders: each kind of regression fails with its method,
+metric and cause, run-to-run noise and another machine's speed pass, and runs made with other settings are refused."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import statistics
 
 from harness.analysis.bands import load_baseline, load_stored_runs
 from harness.analysis.gate import evaluate
-from tests.harness.analysis.repeats import check, fake_run, verdicts, write_repeats
+from harness.analysis.project import LinkModel, default_window_bytes, schedule
+from harness.analysis.sweep import build_config
+from tests.harness.analysis.repeats import COMPUTE_S, OPTIONS, REPEATS, check, fake_run, verdicts, write_repeats
 from tests.harness.fakeruns import damage
+
+BANDS = 22  # five metrics for each method that communicates, step overhead and loss for local
+
+
+def failing(output):
+    return {key: verdict for key, verdict in verdicts(output).items() if verdict != "holds"}
 
 
 def test_round_trip_the_reference_runs_pass_their_own_baseline(reference):
     results, path = reference
     out = check("--baseline", path, "--results", results)
     assert out.exit_code == 0, out.output
-    assert "12 of 12 bands hold" in out.output
+    assert f"{BANDS} of {BANDS} bands hold" in out.output
     found = verdicts(out.output)
-    assert len(found) == 12 and set(found.values()) == {"holds"}
+    assert len(found) == BANDS and set(found.values()) == {"holds"}
+    assert "likely cause" not in out.output
 
 
 def test_runs_that_recorded_only_their_given_options_are_read_over_todays_defaults_and_marked(reference, tmp_path):
@@ -33,57 +43,96 @@ def test_runs_that_recorded_only_their_given_options_are_read_over_todays_defaul
             file.write_text(json.dumps(data))
     out = check("--baseline", path, "--results", old)
     assert out.exit_code == 0, out.output
-    assert "12 of 12 bands hold" in out.output and "3 [options as given]" in out.output
+    assert f"{BANDS} of {BANDS} bands hold" in out.output and f"{REPEATS} [options as given]" in out.output
 
 
 def test_runs_inside_the_noise_pass(reference, tmp_path):
-    """Another day: every method's tokens/s jittered within the stored spread, bytes and losses a hair off."""
+    """Another hour: every method's step overhead a little off, the wire a hair."""
     _, path = reference
-    changes = {"allreduce": (1.02, 1.004, 1.0), "local": (0.98, 1, 1), "dilocox": (0.97, 0.995, 1.001),
-               "opendiloco": (1.03, 1.003, 0.999), "cocktail": (0.99, 0.997, 1.002)}  # fmt: skip
-    results = write_repeats(tmp_path / "results", changes, token_jitter=(1.0, 1.02, 0.97))
+    changes = {"allreduce": (1.02, 1, 1), "local": (0.98, 1, 1), "dilocox": (0.97, 1, 1),
+               "opendiloco": (1.03, 1, 1), "cocktail": (0.99, 1, 1)}  # fmt: skip
+    results = write_repeats(tmp_path / "results", changes, jitter=(1.0, 1.02, 0.97, 1.01, 0.99), wire_overhead=1.055)
     out = check("--baseline", path, "--results", results)
     assert out.exit_code == 0, out.output
 
 
-def test_a_method_whose_throughput_halves_fails(reference, tmp_path):
+def _tokens_per_s(results, method):
+    return statistics.median(r.summary["tokens_per_s"] for r in load_stored_runs([results]) if r.method == method)
+
+
+def test_a_machine_twice_as_fast_or_half_as_fast_passes(reference, tmp_path):
+    """The compute's speed cancels out of every metric, though it moves what the former gate held: the ratio of a
+    compute-bound method's tokens/s to the link-bound AllReduce's."""
+    results, path = reference
+    ratios = {}
+    for name, factor in (("fast", 0.5), ("slow", 2.0)):
+        other = write_repeats(tmp_path / name, compute_s=COMPUTE_S * factor)
+        out = check("--baseline", path, "--results", other)
+        assert out.exit_code == 0, out.output
+        ratios[name] = _tokens_per_s(other, "cocktail") / _tokens_per_s(other, "allreduce")
+    reference_ratio = _tokens_per_s(results, "cocktail") / _tokens_per_s(results, "allreduce")
+    assert ratios["fast"] > 1.3 * reference_ratio and ratios["slow"] < reference_ratio / 1.3
+
+
+def test_a_step_15pct_slower_fails_its_step_overhead_naming_the_cause(reference, tmp_path):
     _, path = reference
-    results = write_repeats(tmp_path / "results", {"opendiloco": (0.5, 1, 1)})
+    results = write_repeats(tmp_path / "results", {"dilocox": (1.15, 1, 1)})
     out = check("--baseline", path, "--results", results)
     assert out.exit_code == 1, out.output
-    found = verdicts(out.output)
-    assert found[("opendiloco", "utilisation")] == "BELOW"
-    assert found[("dilocox", "utilisation")] == "holds"
-    assert "11 of 12 bands hold" in out.output
+    assert failing(out.output) == {("dilocox", "step_overhead"): "ABOVE"}
+    text = " ".join(out.output.split())
+    assert "- dilocox on 20mbps: step_overhead" in text and "ABOVE its band" in text and "(+15.0% from" in text
+    assert "likely cause: compute: the method's own work per step" in text
+
+
+def test_an_exchange_no_longer_hidden_fails_the_residual(reference, tmp_path):
+    """DiLoCoX that waits for each whole exchange at its round's end, where its schedule hides it."""
+    _, path = reference
+    config = build_config("dilocox", "20mbps", 0, {"steps": 40, **OPTIONS["dilocox"]})
+    plan = schedule(config, LinkModel.of(config.profile, 2, window_bytes=default_window_bytes()))
+    results = tmp_path / "results"
+    write_repeats(results)
+    for run in results.glob("dilocox-*"):
+        shutil.rmtree(run)
+    for i in range(REPEATS):
+        fake_run(results, f"dilocox-r{i}", "dilocox", 1.23, 27.3, 3.484, exposed_s=plan.exchange_s / plan.every_steps)
+    out = check("--baseline", path, "--results", results)
+    assert out.exit_code == 1, out.output
+    assert failing(out.output) == {("dilocox", "step_time_residual"): "ABOVE"}
+    assert "likely cause: link: the run waited on the link longer" in " ".join(out.output.split())
+
+
+def test_two_percent_more_bytes_fails(reference, tmp_path):
+    _, path = reference
+    results = write_repeats(tmp_path / "results", {"dilocox": (1, 1.02, 1)})
+    out = check("--baseline", path, "--results", results)
+    assert out.exit_code == 1 and failing(out.output) == {("dilocox", "payload_bytes_per_token"): "ABOVE"}
 
 
 def test_a_method_that_stops_sending_fails(reference, tmp_path):
-    """cocktail that no longer communicates: ~0 bytes per token, and it trains as fast as local."""
     _, path = reference
-    results = write_repeats(tmp_path / "results", {"cocktail": (10500 / 4800, 0.0001, 1)})
+    results = write_repeats(tmp_path / "results", {"cocktail": (1, 0.001, 1)})
     out = check("--baseline", path, "--results", results)
-    assert out.exit_code == 1, out.output
-    found = verdicts(out.output)
-    assert found[("cocktail", "wire_bytes_per_token")] == "BELOW"
-    assert found[("cocktail", "utilisation")] == "ABOVE"
+    assert out.exit_code == 1 and failing(out.output)[("cocktail", "payload_bytes_per_token")] == "BELOW"
 
 
-def test_a_method_that_sends_twice_as_much_fails(reference, tmp_path):
+def test_more_wire_bytes_per_payload_byte_fail(reference, tmp_path):
+    """Retransmissions: the method sends what it did, the link carries 10% more."""
     _, path = reference
-    results = write_repeats(tmp_path / "results", {"dilocox": (1, 2, 1)})
+    results = write_repeats(tmp_path / "results", wire_overhead=1.05 * 1.1)
     out = check("--baseline", path, "--results", results)
-    assert out.exit_code == 1 and verdicts(out.output)[("dilocox", "wire_bytes_per_token")] == "ABOVE"
+    assert out.exit_code == 1
+    assert {metric for _, metric in failing(out.output)} == {"wire_overhead"}
 
 
-def test_a_loss_above_its_bound_fails(reference, tmp_path):
+def test_a_loss_half_a_percent_off_either_way_fails(reference, tmp_path):
     _, path = reference
-    results = write_repeats(tmp_path / "results", {"opendiloco": (1, 1, 3.70 / 3.58)})
-    out = check("--baseline", path, "--results", results)
-    assert out.exit_code == 1, out.output
-    assert verdicts(out.output)[("opendiloco", "final_val_loss")] == "ABOVE"
-    # A lower loss is no regression: the loss band has no lower bound.
-    better = write_repeats(tmp_path / "better", {"opendiloco": (1, 1, 0.9)})
-    assert check("--baseline", path, "--results", better).exit_code == 0
+    for name, factor, verdict in (("worse", 1.005, "ABOVE"), ("better", 0.995, "BELOW")):
+        results = write_repeats(tmp_path / name, {"opendiloco": (1, 1, factor)})
+        out = check("--baseline", path, "--results", results)
+        assert out.exit_code == 1, out.output
+        assert failing(out.output) == {("opendiloco", "final_val_loss"): verdict}
+    assert "likely cause: loss:" in " ".join(out.output.split())
 
 
 def test_results_with_other_step_counts_are_refused(reference, tmp_path):
@@ -107,21 +156,21 @@ def test_other_configurations_beside_the_baselines_are_left_out(reference, tmp_p
     """A sweep folder may hold more than the gate's runs: only those made with the baseline's settings count."""
     results, path = reference
     runs = load_stored_runs([results])
-    fake_run(tmp_path, "dl-60", "dilocox", 99999, 1, 9.0, steps=60)
-    fake_run(tmp_path, "dl-h50", "dilocox", 99999, 1, 9.0, options={"local_steps": 50})
+    fake_run(tmp_path, "dl-60", "dilocox", 9.0, 1, 9.0, steps=60)
+    fake_run(tmp_path, "dl-h50", "dilocox", 9.0, 1, 9.0, options={"local_steps": 50})
     outcomes = evaluate(load_baseline(path), [*runs, *load_stored_runs([tmp_path])])
     assert all(o.ok for o in outcomes)
-    assert {o.runs for o in outcomes if o.method == "dilocox"} == {"3", "3/3"}
+    assert {o.runs for o in outcomes if o.method == "dilocox"} == {str(REPEATS)}
 
 
 def test_missing_runs_fail_the_check(reference, tmp_path):
     _, path = reference
     for i in range(3):
-        fake_run(tmp_path / "results", f"ar{i}", "allreduce", 4180, 3586, 3.62)
+        fake_run(tmp_path / "results", f"ar{i}", "allreduce", 1.1, 3420.0, 3.662)
     out = check("--baseline", path, "--results", tmp_path / "results")
     assert out.exit_code == 1, out.output
     found = verdicts(out.output)
-    assert found[("dilocox", "utilisation")] == "MISSING" and found[("allreduce", "final_val_loss")] == "holds"
+    assert found[("dilocox", "step_overhead")] == "MISSING" and found[("allreduce", "final_val_loss")] == "holds"
     assert "no successful dilocox runs" in out.output
 
 
