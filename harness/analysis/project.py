@@ -180,8 +180,13 @@ class Schedule:
             total += compute_s
             if step < self.warmup_steps:
                 total += self.warmup_exchange_s
-            elif (step - self.warmup_steps + 1) % self.every_steps == 0 or step == steps - 1:
-                # The last step of a run completes what is in flight (the final synchronization).
+            elif step == steps - 1:
+                # The run ends waiting for its last exchange in full: nothing is left to hide it behind (every
+                # method's finish() drains what is in flight, and a streaming round that ends the run sends at its
+                # end). A method whose exchanges land a round late first applies the previous one, as every round.
+                late = self.hidden_steps >= self.every_steps
+                total += self.exchange_s + (self.blocked_s(hide_s) if late else 0.0)
+            elif (step - self.warmup_steps + 1) % self.every_steps == 0:
                 total += self.blocked_s(hide_s) + (self.first_exchange_extra_s if step == first_exchange else 0.0)
         return total
 

@@ -82,7 +82,16 @@ def test_a_runs_window_holds_the_methods_warm_up_and_the_first_exchanges_slow_st
     # A run that ends mid-round synchronizes at its last step.
     assert sched.window_s(0.1, 0.1, steps=25, from_step=5) == pytest.approx(2.0 + 3 * 1.0 + 2.0)
     warm = Schedule(1, exchange_s=0.1, every_steps=1, hidden_steps=1, warmup_steps=8, warmup_exchange_s=1.0)
-    assert warm.window_s(0.2, 0.2, steps=10, from_step=5) == pytest.approx(5 * 0.2 + 3 * 1.0)
+    # The last step applies the previous exchange (hidden) and waits for its own in full: nothing left to hide it.
+    assert warm.window_s(0.2, 0.2, steps=10, from_step=5) == pytest.approx(5 * 0.2 + 3 * 1.0 + 0.1)
+
+
+def test_a_run_ends_waiting_for_its_last_exchange_in_full():
+    """Streaming DiLoCo's round that ends the run sends at its end: its exchange is not hidden as the others are."""
+    streaming = Schedule(1, exchange_s=0.3, every_steps=10, hidden_steps=5)
+    assert streaming.window_s(0.1, 0.1, steps=20, from_step=0) == pytest.approx(20 * 0.1 + 0.0 + 0.3)
+    late = Schedule(1, exchange_s=0.3, every_steps=10, hidden_steps=10)  # delayed: lands a round late
+    assert late.window_s(0.1, 0.1, steps=20, from_step=0) == pytest.approx(20 * 0.1 + 0.0 + (0.3 + 0.0))
 
 
 def test_the_slowest_site_sets_the_link():
