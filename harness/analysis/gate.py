@@ -45,12 +45,14 @@ How `harness baseline` derives a band from the repeats (baseline.TOLERANCE_K, Me
 
     reference  the median over the repeats
     noise      one run's relative standard deviation over the repeats (>= 5 of them)
-    tolerance  max(floor, K x noise), K = 4
+    tolerance  max(floor, K x noise), K = 3.2
 
-K = 4: a check compares the median of its 3 runs with the median of the baseline's 5; their difference has a
-standard deviation of about 0.9 of one run's, so the band's edge sits ~4.4 of those out. The floors cover what
-repeats on one machine in one hour cannot show (another machine, another load, another day), and were measured so
-(the closing figures of each: docs/comparisons.md, "The CI gate"):
+K = 3.2: a check compares the median of its 3 runs with the median of the baseline's 5; for normal noise their
+difference has a standard deviation of 0.91 of one run's (sqrt(pi/2 x (1/3 + 1/5))), so the band's edge sits 3.5 of
+those out: a false alarm in ~1 of 2,000 checks of a band whose tolerance the noise sets (most sit on their floors),
+while a step 15% slower than a reference with 3% noise (CocktailSGD's, the noisiest) still lands 2.3 standard
+deviations of a check's median beyond the edge. The floors cover what repeats on one machine in one hour cannot
+show (another machine, another load, another day), and were measured so (docs/comparisons.md, "The CI gate"):
 
     step_overhead            0.06   the ratio of a step's own time to its forward and backward moved by up to 4%
                                     between repeats on this machine at different times of day, under `taskset -c 0`
