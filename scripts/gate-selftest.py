@@ -51,56 +51,77 @@ SLOWER_STEP = """    def step(self, step: int) -> SyncReport | None:
 
 
 @dataclass(frozen=True)
+class Edit:
+    path: str  # the file patched, relative to the checkout
+    anchor: str  # the text replaced; it must occur exactly once
+    replacement: str
+
+
+@dataclass(frozen=True)
 class Injection:
     name: str
     method: str  # whose runs are remade with the patched code
     metric: str  # the metric of `method` that must fall outside its band
-    path: str  # the file patched, relative to the checkout
-    anchor: str  # the text replaced; it must occur exactly once
-    replacement: str
+    edits: tuple[Edit, ...]
     what: str
 
 
 INJECTIONS = (
     Injection(
-        "dilocox-step-15pct-slower", "dilocox", "step_overhead", "trainers/dilocox.py",
-        "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP,
+        "dilocox-step-15pct-slower", "dilocox", "step_overhead",
+        (Edit("trainers/dilocox.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
         "DiLoCoX's step sleeps 15% of its own time",
     ),
     Injection(
-        "dilocox-overlap-lost", "dilocox", "step_time_residual", "trainers/dilocox.py",
-        "            self.sending = self._send()\n", "            pass\n",
+        "dilocox-overlap-lost", "dilocox", "step_time_residual",
+        (Edit("trainers/dilocox.py", "            self.sending = self._send()\n", "            pass\n"),),
         "streaming no longer starts the exchange tau steps early: it is sent at the round's end and waited for",
     ),
     Injection(
-        "dilocox-2pct-more-bytes", "dilocox", "payload_bytes_per_token", "trainers/comm.py",
-        "    gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]\n",
-        "    payload = torch.cat([payload, payload.new_zeros(payload.numel() // 50)])\n"
-        "    gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]\n",
-        "every all-gathered payload (DiLoCoX's exchange) carries 2% more bytes",
+        "dilocox-2pct-more-bytes", "dilocox", "payload_bytes_per_token",
+        (
+            Edit(
+                "trainers/comm.py",
+                "    gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]\n",
+                "    payload = torch.cat([payload, payload.new_zeros(payload.numel() // 50)])\n"
+                "    gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]\n",
+            ),
+            Edit(
+                "trainers/compression.py",
+                "    sizes = [compressor.payload_nbytes(shape) for shape in shapes]\n",
+                "    sizes = [compressor.payload_nbytes(shape) for shape in shapes]\n"
+                "    gathered = [buffer[: sum(sizes)] for buffer in gathered]\n",
+            ),
+        ),
+        "every all-gathered payload (DiLoCoX's exchange) carries 2% more bytes, dropped on arrival",
     ),
     Injection(
-        "dilocox-loss-0.5pct-higher", "dilocox", "final_val_loss", "trainers/train.py",
-        "            self.val_loss = self.setup.stage.evaluate(self.setup.val_batches)\n",
-        "            self.val_loss = 1.005 * self.setup.stage.evaluate(self.setup.val_batches)\n",
+        "dilocox-loss-0.5pct-higher", "dilocox", "final_val_loss",
+        (
+            Edit(
+                "trainers/train.py",
+                "            self.val_loss = self.setup.stage.evaluate(self.setup.val_batches)\n",
+                "            self.val_loss = 1.005 * self.setup.stage.evaluate(self.setup.val_batches)\n",
+            ),
+        ),
         "the validation loss comes out 0.5% higher",
     ),
     Injection(
-        "cocktail-step-15pct-slower", "cocktail", "step_overhead", "trainers/cocktail.py",
-        "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP,
+        "cocktail-step-15pct-slower", "cocktail", "step_overhead",
+        (Edit("trainers/cocktail.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
         "CocktailSGD's step sleeps 15% of its own time",
     ),
 )  # fmt: skip
 COPIED = ("harness", "trainers", "netem_profiles", "compose", "pyproject.toml")
 
 
-def patched(injection: Injection, text: str) -> str:
-    """`text` with the injection's anchor replaced; the anchor must occur exactly once (else the code moved on and
-    the injection must follow it)."""
-    count = text.count(injection.anchor)
+def patched(name: str, edit: Edit, text: str) -> str:
+    """`text` with the edit's anchor replaced; the anchor must occur exactly once (else the code moved on and the
+    injection `name` must follow it)."""
+    count = text.count(edit.anchor)
     if count != 1:
-        raise SystemExit(f"{injection.name}: its anchor occurs {count} times in {injection.path}; update the self-test")
-    return text.replace(injection.anchor, injection.replacement)
+        raise SystemExit(f"{name}: its anchor occurs {count} times in {edit.path}; update the self-test")
+    return text.replace(edit.anchor, edit.replacement)
 
 
 def harness(*args: str, env: dict | None = None, cwd: Path = ROOT, prefix: tuple[str, ...] = ()) -> tuple[int, str]:
@@ -145,8 +166,9 @@ def inject(injection: Injection, baseline: Path, clean: Path, out: Path) -> tupl
             shutil.copytree(source, code / name, ignore=shutil.ignore_patterns("__pycache__"))
         elif source.exists():
             shutil.copy2(source, code / name)
-    target = code / injection.path
-    target.write_text(patched(injection, target.read_text()))
+    for edit in injection.edits:
+        target = code / edit.path
+        target.write_text(patched(injection.name, edit, target.read_text()))
     env = {**os.environ, "PYTHONPATH": str(code)}
     for command in sweep_command(load_baseline(baseline), str(work / "runs"), methods=[injection.method]):
         words = shlex.split(command)[1:]  # without the leading `harness`
