@@ -32,7 +32,7 @@ The baseline file (YAML):
         dilocox: {local_steps: 10, overlap_steps: 5}
     checks:
       - method: dilocox
-        profile: 20mbps                  # a profile name, or a path to a profile YAML relative to this file
+        profile: 10mbps                  # a profile name, or a path to a profile YAML relative to this file
         step_overhead: {reference: 1.23, noise: 0.011, tolerance: 0.06}
         ...
 

@@ -70,7 +70,7 @@ COMMANDS = {
     ),
     "baseline": Entry(
         "harness.cli.analysis:baseline",
-        "Write a baseline for `harness check` from RESULTS, a folder of repeats (a sweep with --repeats 3).",
+        "Write a baseline for `harness check` from RESULTS, a folder of >= 5 repeats (a sweep with --repeats 5).",
     ),
 }
 

@@ -10,7 +10,7 @@ import click
 from rich.text import Text
 
 from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
-from harness.cli.options import WithMethodOptions, cluster_options, train_options
+from harness.cli.options import WithMethodOptions, cluster_options, method_set_option, train_options
 from trainers.registry import method_names
 
 
@@ -34,11 +34,8 @@ def _profiles(values: tuple[str, ...]) -> tuple[str, ...]:
     "where AllReduce would take too long here; labelled 'composed' wherever it appears.",
 )
 @click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
-@click.option(
-    "--method-set",
-    multiple=True,
-    metavar="METHOD:KEY=VALUE",
-    help="Fix an option for one method only (repeatable), e.g. dilocox:local_steps=20; printed with the table.",
+@method_set_option(
+    "Fix an option for one method only (repeatable), e.g. dilocox:local_steps=20; printed with the table."
 )
 @click.option(
     "--method-steps",

@@ -84,6 +84,12 @@ def paths_option(flag: str, dest: str, help: str, **path: bool) -> Decorator:
     return click.option(flag, dest, multiple=True, type=click.Path(path_type=Path, **path), help=help)
 
 
+def method_set_option(help_text: str) -> Decorator:
+    """--method-set METHOD:KEY=VALUE, repeatable: an option for one method only (`harness sweep`, `harness compare`;
+    parsed by harness.analysis.sweep.per_method_settings)."""
+    return click.option("--method-set", multiple=True, metavar="METHOD:KEY=VALUE", help=help_text)
+
+
 def cluster_options(command):
     """The cluster shape shared by every run of a sweep; unset ones keep RunConfig's defaults."""
     return _apply(

@@ -11,7 +11,7 @@ import click
 from rich.text import Text
 
 from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
-from harness.cli.options import WithMethodOptions, cluster_options, train_options
+from harness.cli.options import WithMethodOptions, cluster_options, method_set_option, train_options
 from trainers.registry import method_names
 
 
@@ -27,11 +27,8 @@ from trainers.registry import method_names
     help="Sweep a setting (repeatable; the product is run), e.g. local_steps=10,50 or stages=1,2. "
     "A method option goes only to the methods that have it.",
 )
-@click.option(
-    "--method-set",
-    multiple=True,
-    metavar="METHOD:KEY=VALUE",
-    help="Fix an option (or a training setting) for one method only (repeatable), e.g. opendiloco:local_steps=20.",
+@method_set_option(
+    "Fix an option (or a training setting) for one method only (repeatable), e.g. opendiloco:local_steps=20."
 )
 @click.option(
     "--regime",

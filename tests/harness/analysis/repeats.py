@@ -1,4 +1,4 @@
-"""Made-up repeats shaped like the CI gate's (tiny model, 40 steps, 5 repeats; DiLoCoX on 20 Mbit/s, the others on
+"""Made-up repeats shaped like the CI gate's (tiny model, 40 steps, 5 repeats; DiLoCoX on 10 Mbit/s, the others on
 100 Mbit/s), for the tests of the baseline file, of `harness baseline` and of `harness check`.
 
 Each run is consistent with the link model: its steps take their forward and backward (`compute_s`) times the
@@ -27,7 +27,7 @@ OPTIONS = {
     "dilocox": {"local_steps": 10, "overlap_steps": 5},
     "opendiloco": {"local_steps": 10},
 }
-PROFILES = {"dilocox": "20mbps"}
+PROFILES = {"dilocox": "10mbps"}
 COMPUTE_S = 0.07  # forward and backward per step on the reference machine
 WIRE_OVERHEAD = 1.05
 # method -> (step overhead, payload bytes per applied token, final validation loss) of the reference repeats.

@@ -39,7 +39,7 @@ def test_baseline_has_two_sided_bands_from_the_medians_and_the_noise(reference):
     assert baseline.settings["steps"] == STEPS and baseline.settings["eval_every"] == STEPS // 2
     assert (baseline.seed, baseline.repeats) == (0, CHECK_REPEATS), "a check makes 3; the bands came from 5"
     assert baseline.method_options == OPTIONS
-    assert {c.method: c.profile_name for c in baseline.checks}["dilocox"] == "20mbps"
+    assert {c.method: c.profile_name for c in baseline.checks}["dilocox"] == "10mbps"
 
 
 def regeneration_command(text):
@@ -55,7 +55,7 @@ def test_baseline_file_says_how_to_regenerate_it_and_how_the_bands_were_derived(
     text = path.read_text()
     assert regeneration_command(text).endswith(f" && harness baseline {results} --out {path}")
     assert "tolerance = max(floor, 3.2 x noise)" in text
-    assert "# dilocox on 20mbps: 5 runs, median" in text
+    assert "# dilocox on 10mbps: 5 runs, median" in text
     # Every band line shows the band it allows.
     assert "step_overhead:" in text and "# 3.2076 to 3.2204" in text
 
@@ -160,7 +160,7 @@ def test_diff_reads_a_baseline_of_the_former_format(reference, tmp_path):
     )
     out = CliRunner().invoke(main, ["baseline", "--diff", str(old), str(path)])
     assert out.exit_code == 0, out.output
-    assert "- check dropped: dilocox on 100mbps" in out.output and "- check added: dilocox on 20mbps" in out.output
+    assert "- check dropped: dilocox on 100mbps" in out.output and "- check added: dilocox on 10mbps" in out.output
     assert "utilisation (dropped)" in out.output and "step_overhead (new)" in out.output
     bad = CliRunner().invoke(main, ["baseline", "--diff", str(old), str(path), "--out", str(tmp_path / "x.yaml")])
     assert bad.exit_code == 2 and "--diff OLD NEW compares two files" in bad.output

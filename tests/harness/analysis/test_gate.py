@@ -81,14 +81,14 @@ def test_a_step_15pct_slower_fails_its_step_overhead_naming_the_cause(reference,
     assert out.exit_code == 1, out.output
     assert failing(out.output) == {("dilocox", "step_overhead"): "ABOVE"}
     text = " ".join(out.output.split())
-    assert "- dilocox on 20mbps: step_overhead" in text and "ABOVE its band" in text and "(+15.0% from" in text
+    assert "- dilocox on 10mbps: step_overhead" in text and "ABOVE its band" in text and "(+15.0% from" in text
     assert "likely cause: compute: the method's own work per step" in text
 
 
 def test_an_exchange_no_longer_hidden_fails_the_residual(reference, tmp_path):
     """DiLoCoX that waits for each whole exchange at its round's end, where its schedule hides it."""
     _, path = reference
-    config = build_config("dilocox", "20mbps", 0, {"steps": 40, **OPTIONS["dilocox"]})
+    config = build_config("dilocox", "10mbps", 0, {"steps": 40, **OPTIONS["dilocox"]})
     plan = schedule(config, LinkModel.of(config.profile, 2, window_bytes=default_window_bytes()))
     results = tmp_path / "results"
     write_repeats(results)
