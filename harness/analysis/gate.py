@@ -54,19 +54,20 @@ while a step 15% slower than a reference with 3% noise (CocktailSGD's, the noisi
 deviations of a check's median beyond the edge. The floors cover what repeats on one machine in one hour cannot
 show (another machine, another load, another day), and were measured so (docs/comparisons.md, "The CI gate"):
 
-    step_overhead            0.06   the ratio of a step's own time to its forward and backward moved by up to 4%
-                                    between repeats on this machine at different times of day, under `taskset -c 0`
-                                    and beside a CPU hog; a step 15% slower still fails
-    step_time_residual       0.05   the link model's error moves a little with the compute's share of a step
-                                    (AllReduce's residual is between 1 and the link's own error); an exchange no
-                                    longer hidden adds 10% or more at the gate's settings
+    step_overhead            0.06   between the 5 reference repeats and 4 checks over an hour on this machine, and
+                                    under `taskset -c 0` (half its compute; local at 5,800 against 13,000 tokens/s),
+                                    the medians moved by at most 4% (CocktailSGD, whose memory-bound compression
+                                    drifts against the compute-bound forward and backward; the others by at most 2.2%);
+                                    a step 15% slower still fails
+    step_time_residual       0.05   the medians moved by at most 2.2% the same way (AllReduce's sits between 1 and the
+                                    link model's own error as the compute's share of a step changes); an exchange no
+                                    longer hidden added 11% at the gate's settings
     payload_bytes_per_token  0.001  fixed by the method, its options and the model: identical in every repeat; the
                                     floor leaves room for an adaptive rank that rounds the other way on another CPU
-    wire_overhead            0.015  TCP/IP framing is fixed; retransmissions and ACK timing move it by a few tenths
-                                    of a percent
+    wire_overhead            0.015  TCP/IP framing is fixed; retransmissions and ACK timing moved it by at most 0.5%
     final_val_loss           0.002  the training is deterministic at a fixed seed on one build (identical in every
-                                    repeat); another CPU or thread count sums in another order: with 2 threads per
-                                    rank in place of 1 the final losses moved by at most 0.05%
+                                    repeat and under taskset); another CPU or thread count sums in another order:
+                                    with 2 threads per rank in place of 1 the final losses moved by at most 0.07%
 
 `harness baseline` refuses to write a band that could not catch what it is for (Metric.most: a step 15% slower, an
 exchange no longer hidden, 2% more bytes, a loss 0.5% higher): the repeats were too noisy, and the fix is to measure
