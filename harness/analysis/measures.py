@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.analysis.project import Compute, LinkModel, ProjectionError, default_window_bytes, predict
+from harness.analysis.project import Compute, LinkModel, ProjectionError, default_window_bytes, schedule
 from harness.run.config import RunConfig
 from harness.run.folder import RunPaths, read_events, read_rank_result
 
@@ -59,21 +59,18 @@ def _own_s(step: Mapping[str, Any]) -> float:
     return step["step_s"] - step.get("sync_blocked_s", 0.0)
 
 
-def _residual(run_dir: Path, config: RunConfig, summary: Mapping[str, Any], compute: Compute) -> float | None:
+def _residual(run_dir: Path, config: RunConfig, compute: Compute) -> float | None:
     """Measured window seconds over predicted (module doc); None for a method that declares no exchange."""
     window_s = _positive((read_rank_result(run_dir, 0) or {}).get("window_s"))
     if window_s is None or config.clusters < 2:
         return None
     link = LinkModel.of(config.profile, config.clusters, window_bytes=default_window_bytes())
     try:
-        prediction = predict(config, summary["tokens"] // summary["steps"], compute, link)
-        train = config.train
-        predicted_s = prediction.schedule.window_s(
-            compute.step_s, compute.hide_s, train.steps, train.throughput_warmup_steps
-        )
+        plan = schedule(config, link)
     except ProjectionError:
         return None
-    return window_s / predicted_s
+    train = config.train
+    return window_s / plan.window_s(compute.step_s, compute.hide_s, train.steps, train.throughput_warmup_steps)
 
 
 def measure(run_dir: Path, summary: Mapping[str, Any]) -> dict[str, float | None]:
@@ -98,5 +95,5 @@ def measure(run_dir: Path, summary: Mapping[str, Any]) -> dict[str, float | None
         statistics.fmean(map(_own_s, slowest)), statistics.fmean(e["compute_s"] for e in slowest), run_dir.name
     )
     if summary.get("sync_count"):
-        measured["step_time_residual"] = _residual(run_dir, config, summary, compute)
+        measured["step_time_residual"] = _residual(run_dir, config, compute)
     return measured
