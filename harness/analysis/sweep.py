@@ -28,7 +28,10 @@ config has it: ``--set local_steps=10,50`` varies opendiloco's H and leaves allr
 on the option allreduce does not have (trainers.registry.method_config refuses unknown options, so they are filtered
 by the method's config fields first). As on the command line, the value "none" switches an optional setting off.
 A setting fixed for one method (`per_method`, --method-set) is one of its options or a training setting (its step
-count, say), which then differs from the other methods' for that method alone.
+count, say), which then differs from the other methods' for that method alone. One method may run as several
+variants side by side: ``--methods dilocox,dilocox@paper --method-set dilocox@paper:overlap=delayed`` runs
+``dilocox-...`` and ``dilocox@paper-...``; the label only names the runs, and analysis keys variants on the options
+the runs record, never on the label.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +72,32 @@ class SweepError(UserError):
 
 class SweepInterrupted(Exception):
     """Ctrl-C or SIGTERM stopped a run; the sweep stopped after recording it."""
+
+
+VARIANT_MARK = "@"
+
+
+def method_of(entry: str) -> str:
+    """'dilocox@paper' -> 'dilocox'. An entry of --methods names a method, and may add a label that keeps two
+    variants of one method apart in one sweep: each entry takes its own --method-set options and names its runs."""
+    return entry.partition(VARIANT_MARK)[0]
+
+
+def check_entries(entries: Sequence[str]) -> None:
+    """Every --methods entry names a known method, once, with a label a run folder's name can hold."""
+    unknown = [e for e in entries if method_of(e) not in METHODS]
+    if unknown:
+        raise SweepError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+    repeated = sorted({e for e in entries if entries.count(e) > 1})
+    if repeated:
+        raise SweepError(
+            f"--methods names {', '.join(repeated)} more than once; give a variant a label (dilocox@paper)"
+        )
+    bad = [e for e in entries if VARIANT_MARK in e and not re.fullmatch(r"[a-z0-9_]+", e.partition(VARIANT_MARK)[2])]
+    if bad:
+        raise SweepError(
+            f"the label of {', '.join(bad)} must be lower-case letters, digits or underscores (dilocox@paper)"
+        )
 
 
 def all_option_names() -> frozenset[str]:
@@ -184,14 +214,14 @@ class SweepSpec:
         for seed, repeat, profile, method, values in product(
             self.seeds, range(self.repeats), self.profiles, self.methods, product(*(v for _, v in self.grid))
         ):
-            varied = tuple((k, v) for k, v in zip(keys, values, strict=True) if applies_to(k, method))
+            varied = tuple((k, v) for k, v in zip(keys, values, strict=True) if applies_to(k, method_of(method)))
             combo = Combination(method, profile, seed, varied, repeat, self.repeats)
             seen.setdefault(combo.name, combo)
         return list(seen.values())
 
     def config(self, combo: Combination) -> RunConfig:
         settings = {**self.settings, **self.per_method.get(combo.method, {}), **dict(combo.varied)}
-        return build_config(combo.method, combo.profile, combo.seed, settings)
+        return build_config(method_of(combo.method), combo.profile, combo.seed, settings)
 
     def warnings(self) -> list[str]:
         """RunConfig.warnings of every run, each prefixed with the run's name (call after validate)."""
@@ -212,18 +242,17 @@ class SweepSpec:
             raise SweepError("a sweep needs at least one method, one profile and one seed")
         if self.repeats < 1:
             raise SweepError(f"--repeats must be at least 1, got {self.repeats}")
-        unknown = [m for m in self.methods if m not in METHODS]
-        if unknown:
-            raise SweepError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+        check_entries(self.methods)
         check_keys([*self.settings, *(k for k, _ in self.grid)])
-        for method, options in self.per_method.items():
+        for entry, options in self.per_method.items():
+            method = method_of(entry)
             if method not in METHODS:
-                raise SweepError(f"options given for unknown method {method!r}; known: {', '.join(METHODS)}")
+                raise SweepError(f"options given for unknown method {entry!r}; known: {', '.join(METHODS)}")
             # A training setting may differ per method too (a comparison's per-method step counts).
             foreign = sorted(set(options) - option_names(method) - TRAIN_KEYS)
             if foreign:
                 raise SweepError(
-                    f"{', '.join(foreign)} is not an option of method {method!r} nor a training setting; its options: "
+                    f"{', '.join(foreign)} is not an option of method {entry!r} nor a training setting; its options: "
                     f"{', '.join(sorted(option_names(method))) or 'none'}"
                 )
         for combo in self.combinations():

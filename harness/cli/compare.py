@@ -20,8 +20,13 @@ def _profiles(values: tuple[str, ...]) -> tuple[str, ...]:
 
 
 @click.command("compare", cls=WithMethodOptions)
-@click.option("--methods", required=True, help=f"Comma-separated methods ({', '.join(method_names())}); allreduce "
-              "sets the default target and the speed-ups, local the utilisation.")  # fmt: skip
+@click.option(
+    "--methods",
+    required=True,
+    help=f"Comma-separated methods ({', '.join(method_names())}); allreduce sets the default target and the "
+    "speed-ups, local the utilisation; METHOD@LABEL runs another variant of METHOD beside it (dilocox@paper, its "
+    "options from --method-set dilocox@paper:overlap=delayed).",
+)
 @click.option(
     "--profile", "profiles", multiple=True, help="A link to measure end to end (repeatable; profile name or YAML)."
 )

@@ -16,7 +16,12 @@ from trainers.registry import method_names
 
 
 @click.command("sweep", cls=WithMethodOptions)
-@click.option("--methods", required=True, help=f"Comma-separated methods ({', '.join(method_names())}).")
+@click.option(
+    "--methods",
+    required=True,
+    help=f"Comma-separated methods ({', '.join(method_names())}); METHOD@LABEL runs another variant of METHOD "
+    "beside it, its options from --method-set METHOD@LABEL:KEY=VALUE.",
+)
 @click.option("--profiles", default="", help="Comma-separated profile names or profile YAML paths.")
 @click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
 @click.option(

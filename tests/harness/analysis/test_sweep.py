@@ -86,6 +86,33 @@ def test_settings_are_routed_by_name_and_checked_before_anything_runs():
         SweepSpec(("allreduce",), ("1gbps",), (0,), per_method={"allreduce": {"local_steps": 3}}).validate()
 
 
+def test_two_variants_of_one_method_run_side_by_side_each_with_its_own_options():
+    spec = SweepSpec(
+        ("allreduce", "dilocox", "dilocox@paper"),
+        ("1gbps",),
+        (0,),
+        settings={"local_steps": 10},
+        per_method={"dilocox@paper": {"overlap": "delayed", "rank": 32}},
+    )
+    spec.validate()
+    combos = spec.combinations()
+    assert [c.name for c in combos] == ["allreduce-1gbps-s0", "dilocox-1gbps-s0", "dilocox@paper-1gbps-s0"]
+    default, paper = (spec.config(c) for c in combos[1:])
+    assert default.method == paper.method == "dilocox"
+    assert (default.resolved_options["overlap"], default.resolved_options["rank"]) == ("streaming", 64)
+    assert (paper.resolved_options["overlap"], paper.resolved_options["rank"]) == ("delayed", 32)
+    assert default.resolved_options["local_steps"] == paper.resolved_options["local_steps"] == 10
+    for methods, refusal in (
+        (("dilocox@paper", "nosuch@x"), "unknown method"),
+        (("dilocox", "dilocox"), "more than once"),
+        (("dilocox@Paper!",), "lower-case letters"),
+    ):
+        with pytest.raises(SweepError, match=refusal):
+            SweepSpec(methods, ("1gbps",), (0,)).validate()
+    with pytest.raises(SweepError, match="not an option of method 'dilocox@paper'"):
+        SweepSpec(("dilocox@paper",), ("1gbps",), (0,), per_method={"dilocox@paper": {"topk_keep": 0.1}}).validate()
+
+
 def test_a_sweep_whose_delay_line_cannot_open_tun_is_refused_before_it_starts(monkeypatch):
     real_open = os.open
 
