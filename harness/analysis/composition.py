@@ -48,6 +48,8 @@ class Cadence:
     first_round_step: int  # rounds count from here: the steps before it are the method's warm-up exchanges
     steady_from: int  # the earliest step a steady-state window may start (module doc)
     adaptive: bool
+    # Its finish() drains an exchange still in flight into the run's last step, which then ends no whole round.
+    drains_at_end: bool = False
 
     @classmethod
     def of(cls, config: RunConfig) -> Cadence:
@@ -59,14 +61,15 @@ class Cadence:
         first = plan.warmup_steps if plan else 0
         slow_start = every if plan and plan.slow_start else 0
         steady_from = max(config.train.throughput_warmup_steps, first + slow_start, 1)
-        return cls(every, first, steady_from, bool(plan and plan.adaptive))
+        return cls(every, first, steady_from, bool(plan and plan.adaptive), bool(plan and plan.hidden_steps))
 
     def trace_steps(self, full_steps: int) -> int:
         """Steps of a trace run: its warm-up to the first round boundary, then enough whole rounds for the check (one
-        more for a method whose rounds grow as it adapts); never longer than the full run, which it would replace."""
+        more for a method whose rounds grow as it adapts, and one more for a method whose last round holds its
+        drained exchange); never longer than the full run, which it would replace."""
         h = self.every_steps
         start = self.first_round_step + math.ceil((self.steady_from - self.first_round_step) / h) * h
-        rounds = max(MIN_ROUNDS, math.ceil(MIN_STEADY_STEPS / h)) + (1 if self.adaptive else 0)
+        rounds = max(MIN_ROUNDS, math.ceil(MIN_STEADY_STEPS / h)) + self.adaptive + self.drains_at_end
         return min(start + rounds * h, full_steps)
 
 

@@ -169,8 +169,9 @@ def test_the_steadiness_check(step_s, expect):
         ("allreduce", {}, 25),  # 5 warm-up steps, then 20 one-step rounds
         ("local", {}, 25),
         ("opendiloco", {"local_steps": 10}, 30),  # the slow-start round, then two rounds
-        ("cocktail", {}, 30),  # its 10 blocking warm-up steps, then 20
-        ("dilocox", {"local_steps": 10}, 40),  # adaptive: one round more, as its rounds grow
+        ("cocktail", {}, 31),  # its 10 blocking warm-up steps, then 20, then the step its finish() drains into
+        ("dilocox", {"local_steps": 10}, 50),  # adaptive: one round more, as its rounds grow; one for the drain
+        ("dilocox", {"local_steps": 10, "overlap": "none", "adaptive": False}, 30),  # blocking: nothing drained
         ("dilocox", {"local_steps": 125}, 200),  # H = 125: never longer than the full run
     ],
 )
