@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,44 @@ class InFlight:
         blocked = time.perf_counter() - wait_from
         duration = max(0.0, self._done_at - self.started)
         return blocked, max(0.0, duration - blocked)
+
+
+class InThread:
+    """An exchange of several dependent collectives (one's result shapes the next), run on a thread of its own so
+    that it overlaps computation as one collective does; InFlight's interface.
+
+    `run()` does the collectives and whatever sits between them and returns what the exchange produced, which
+    `result` holds once `wait()` returns; an error raised inside it is raised again by `wait()`. `wait()` may be
+    called more than once (a method can need the exchange's side effects before it needs its result): each call
+    adds the time it blocked, and each returns the total so far, so the last one reports the exchange in full.
+    """
+
+    def __init__(self, run: Callable[[], Any], payload_bytes: int):
+        self.payload_bytes = payload_bytes
+        self.result: Any = None
+        self.started = time.perf_counter()
+        self._done_at = self.started
+        self._blocked_s = 0.0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(run,), daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], Any]) -> None:
+        try:
+            self.result = run()
+        except BaseException as error:  # re-raised on the caller's thread by wait()
+            self._error = error
+        self._done_at = time.perf_counter()
+
+    def wait(self) -> tuple[float, float]:
+        """Block until done; returns (blocked_s over every call, overlapped_s)."""
+        wait_from = time.perf_counter()
+        self._thread.join()
+        self._blocked_s += time.perf_counter() - wait_from
+        if self._error is not None:
+            raise self._error
+        duration = max(0.0, self._done_at - self.started)
+        return self._blocked_s, max(0.0, duration - self._blocked_s)
 
 
 def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | None) -> InFlight:

@@ -347,6 +347,32 @@ def low_rank(
     return p, q
 
 
+def goes_as_factors(shape: Shape, rank: int) -> bool:
+    """Whether a ``shape`` tensor goes as rank-``rank`` factors: a matrix whose factors are smaller than it."""
+    if len(shape) < 2:
+        return False
+    m, n = _as_matrix(shape)
+    return min(rank, m, n) * (m + n) < m * n
+
+
+def resized_basis(q: torch.Tensor | None, shape: Shape, rank: int, seed: int) -> torch.Tensor | None:
+    """A warm start Q [n, r] for a ``shape`` matrix at ``rank`` from the last call's ``q``, or None (cold start).
+
+    QR orthonormalises columns in order, so the first k columns of P = qr(x @ Q0) span the same space whatever Q0's
+    later columns are: the iteration on Q's leading r columns is the rank-r iteration, and a fall in rank keeps them.
+    A rise keeps every column and appends columns r_old..r-1 of the Gaussian that a cold start at rank r draws from
+    ``seed``: deterministic, and orthogonalised against the kept ones by the QR.
+    """
+    m, n = _as_matrix(shape)
+    r = min(rank, m, n)
+    if q is None or q.shape[0] != n:
+        return None
+    if q.shape[1] >= r:
+        return q[:, :r]
+    fresh = torch.randn(n, r, generator=torch.Generator().manual_seed(seed))[:, q.shape[1] :]
+    return torch.cat([q, fresh.to(device=q.device, dtype=q.dtype)], dim=1)
+
+
 def low_rank_nbytes(shape: Shape, rank: int, bits: int | None, bucket_size: int = 128) -> int:
     """Bytes of the factors P [m, r], Q [n, r] of a ``shape`` matrix, quantized to ``bits`` (None: fp32)."""
     m, n = _as_matrix(shape)
@@ -522,11 +548,7 @@ class LowRankQuantizeCompressor:
         self._rank = rank
 
     def _factored(self, shape: Shape) -> bool:
-        """Whether a ``shape`` tensor goes as factors: a matrix whose rank-r factors are smaller than it."""
-        if len(shape) < 2:
-            return False
-        m, n = _as_matrix(shape)
-        return min(self.rank, m, n) * (m + n) < m * n
+        return goes_as_factors(shape, self.rank)
 
     def encode(self, x: torch.Tensor, step: int, key: str | None = None) -> torch.Tensor:
         if not self._factored(x.shape):
@@ -538,22 +560,10 @@ class LowRankQuantizeCompressor:
         return torch.cat([_encode_values(f, self.bits, self.bucket_size) for f in (p, q)])
 
     def warm_start(self, key: str | None, shape: Shape) -> torch.Tensor | None:
-        """The Q [n, r] that ``key``'s next power iteration starts from at the current rank, or None (cold start).
-
-        QR orthonormalises columns in order, so the first k columns of P = qr(x @ Q0) span the same space
-        whatever Q0's later columns are: the iteration on Q's leading r columns is the rank-r iteration, and a fall
-        in rank keeps them. A rise keeps every column and appends columns r_old..r-1 of the Gaussian that a cold
-        start at rank r draws from ``seed``: deterministic, and orthogonalised against the kept ones by the QR.
-        """
+        """The Q [n, r] that ``key``'s next power iteration starts from at the current rank (``resized_basis``), or
+        None (cold start)."""
         q = self._warm_q.get(key) if key is not None else None
-        m, n = _as_matrix(shape)
-        r = min(self.rank, m, n)
-        if q is None or q.shape[0] != n:
-            return None
-        if q.shape[1] >= r:
-            return q[:, :r]
-        fresh = torch.randn(n, r, generator=torch.Generator().manual_seed(self.seed))[:, q.shape[1] :]
-        return torch.cat([q, fresh.to(device=q.device, dtype=q.dtype)], dim=1)
+        return resized_basis(q, shape, self.rank, self.seed)
 
     def decode(self, payload: torch.Tensor, shape: torch.Size, step: int) -> torch.Tensor:
         if not self._factored(shape):

@@ -120,11 +120,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
+from trainers import powersgd
+from trainers.comm import InFlight, InThread, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
 from trainers.compression import (
     ErrorFeedback,
     LowRankQuantizeCompressor,
     estimate_rank,
+    goes_as_factors,
     mean_of_payloads,
     relative_error,
     validate_quantization_flags,
@@ -144,9 +146,13 @@ from trainers.optim import OuterOptimizer, validate_outer
 
 Overlap = Literal["none", "delayed", "eager", "streaming"]
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "streaming")
+ExchangeDesign = Literal["gather", "reduce"]
+EXCHANGES: tuple[str, ...] = ("gather", "reduce")
 # The rank estimate's all-reduce: [sum of the matrices' estimates, matrices] (_rank_totals).
 RANK_TOTALS_DTYPE = torch.float64
 RANK_TOTALS_BYTES = 2 * RANK_TOTALS_DTYPE.itemsize
+# Under --exchange reduce the estimate rides in P's all-reduce: one value, the replica's mean over its matrices / n.
+REDUCED_ESTIMATE_VALUES = 1
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,15 @@ class DiLoCoXConfig(MethodConfig):
     # convergence study ran (5 at H = 50).
     overlap_steps: int | None = None
     merge_alpha: float = 0.5  # streaming: the local copy's weight in the blend with theta (torchft's alpha)
+    exchange: ExchangeDesign = field(
+        default="gather",
+        metadata={
+            "help": "How the compressed pseudo-gradients travel: gather (the paper's: every replica's rank-r int-q "
+            "factors go to every other, (n-1) payloads per site a round) or reduce (PowerSGD's shared-basis power "
+            "iteration: the factors add, two bf16 all-reduces of 2(n-1)/n of one payload per site; one power "
+            "iteration, --bits unused; not with --overlap eager; trainers/powersgd.py)."
+        },
+    )
     adaptive: bool = True
     compression: bool = True
     rank_window: int = 5  # c
@@ -210,6 +225,18 @@ class DiLoCoXConfig(MethodConfig):
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
         if self.overlap_steps is None:
             object.__setattr__(self, "overlap_steps", self.local_steps // 10)
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}; got {self.exchange!r}")
+        if self.exchange == "reduce" and not self.compression:
+            raise ValueError(
+                "--exchange reduce reduces low-rank factors, which --no-compression turns off (it already sends fp16 "
+                "pseudo-gradients through one all-reduce); drop one of the two"
+            )
+        if self.exchange == "reduce" and self.overlap == "eager":
+            raise ValueError(
+                "--overlap eager restarts from the replica's own decoded share, which --exchange reduce knows only "
+                "once its first all-reduce is done; use --overlap streaming, none or delayed with it"
+            )
         if self.overlap_steps < 0:
             raise ValueError(f"--overlap-steps must be at least 0, got {self.overlap_steps}")
         # H_t never falls below H_1, so tau < H_1 leaves every round some steps before its exchange starts.
@@ -254,6 +281,19 @@ class DiLoCoXConfig(MethodConfig):
         """Once a round the rank-r_1 int-q factors' all-gather (fp16 pseudo-gradients' all-reduce without
         compression) and, with adaptation, the rank estimate's all-reduce beside it, hidden behind what --overlap
         runs while they are in flight. At r_1 and H_1: adaptation lowers r and raises H from there."""
+        hidden = {"none": 0, "streaming": self.overlap_steps, "delayed": self.local_steps, "eager": self.local_steps}
+        if self.exchange == "reduce":
+            # P's all-reduce (the rank estimate inside it), then Q's, which needs P: one after the other.
+            numels = powersgd.buffer_numels(shapes, self.rank, extra=REDUCED_ESTIMATE_VALUES if self.adaptive else 0)
+            exchanges = tuple(Exchange("all-reduce", n * powersgd.WIRE_DTYPE.itemsize) for n in numels)
+            return SyncPlan(
+                exchanges,
+                self.local_steps,
+                hidden[self.overlap],
+                slow_start=True,
+                adaptive=self.adaptive,
+                sequential=True,
+            )
         if self.compression:
             compressor = self.compressor()
             exchanges = [Exchange("all-gather", sum(compressor.payload_nbytes(shape) for shape in shapes))]
@@ -261,7 +301,6 @@ class DiLoCoXConfig(MethodConfig):
             exchanges = [Exchange("all-reduce", torch.float16.itemsize * numel(shapes))]
         if self.adaptive:
             exchanges.append(Exchange("all-reduce", RANK_TOTALS_BYTES))
-        hidden = {"none": 0, "streaming": self.overlap_steps, "delayed": self.local_steps, "eager": self.local_steps}
         return SyncPlan(
             tuple(exchanges), self.local_steps, hidden[self.overlap], slow_start=True, adaptive=self.adaptive
         )
@@ -307,7 +346,9 @@ class DiLoCoX(Method):
         # The dual optimizer of this stage only: the inner AdamW (the base class's) on the local weights, the
         # outer Nesterov on theta.
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
-        self.compressor = cfg.compressor(ctx.seed)
+        self.compressor = cfg.compressor(ctx.seed)  # under --exchange reduce it only holds r_t
+        # The run's seed is every replica's, so their shared bases start equal.
+        self.reducer = powersgd.PowerSGDReducer(ctx.seed) if cfg.exchange == "reduce" else None
         self.error_feedback = ErrorFeedback()  # e_i, per parameter name
         self.local_steps = cfg.local_steps  # H_t of the round in progress
         # The window starts full of r_1: an early estimate, from pseudo-gradients of the warm-up, moves r only
@@ -406,6 +447,8 @@ class DiLoCoX(Method):
             return _Exchange(
                 self.round, steps, self.compressor.rank, [wire], inflight, totals, estimate, fields, own_share
             )
+        if self.reducer is not None:
+            return self._send_reduced(deltas, steps, fields)
         payloads, compensated, transmitted = [], [], []
         for name, delta in zip(self.names, deltas, strict=True):
             c = self.error_feedback.compensate(name, delta)
@@ -419,7 +462,9 @@ class DiLoCoX(Method):
         # Every replica of the group uses the same shapes and r, so the buffers have equal sizes, as gather needs.
         buffers, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
         error = relative_error(flatten(compensated), flatten(transmitted))
-        fields.update(compression_error=error, compression_error2=error**2, **self._omega2(compensated))
+        fields.update(
+            compression_error=error, compression_error2=error**2, **self._omega2(compensated, self.compressor.rank)
+        )
         # Estimated on c, before compression: after it, at most r of its directions are left to see.
         totals, estimate = self._rank_totals(compensated)
         own_share = transmitted if self.cfg.overlap == "eager" else None
@@ -427,14 +472,46 @@ class DiLoCoX(Method):
             self.round, steps, self.compressor.rank, buffers, inflight, totals, estimate, fields, own_share
         )
 
-    def _omega2(self, compensated: list[torch.Tensor]) -> dict:
+    @torch.no_grad()
+    def _send_reduced(self, deltas: list[torch.Tensor], steps: int, fields: dict) -> _Exchange:
+        """--exchange reduce: start the shared-basis exchange (trainers/powersgd.py) on a thread of its own, the
+        rank estimate inside its first all-reduce. Its error feedback is set when its factors are known, so the
+        exchange before must have landed before this round compensates (under delayed it may still be in flight:
+        waiting here is time blocked on the link, reported with that exchange)."""
+        if self.in_flight is not None:
+            self.in_flight.inflight.wait()
+        compensated = [self.error_feedback.compensate(n, d) for n, d in zip(self.names, deltas, strict=True)]
+        totals, _ = self._rank_totals(compensated, exchange=False)
+        total, count = totals.tolist()
+        extra = torch.tensor([total / count / self.ctx.replicas] if self.cfg.adaptive and count else [])
+        rank, group, replicas = self.compressor.rank, self.ctx.data_parallel_group, self.ctx.replicas
+
+        def run() -> tuple[powersgd.Reduced, dict]:
+            reduced = self.reducer.exchange(compensated, self.names, rank, extra, group, replicas)
+            for name, c, t in zip(self.names, compensated, reduced.transmitted, strict=True):
+                self.error_feedback.update(name, c, t)
+            error = relative_error(flatten(compensated), flatten(reduced.transmitted))
+            return reduced, {
+                "compression_error": error,
+                "compression_error2": error**2,
+                **self._omega2(compensated, rank),
+            }
+
+        shapes = [d.shape for d in deltas]
+        inflight = InThread(run, powersgd.payload_bytes(shapes, rank, replicas, extra=extra.numel()))
+        if self.cfg.adaptive and count:
+            # Filled in from the reduced estimate once the exchange lands (_apply): [mean x matrices, matrices].
+            totals = torch.tensor([math.nan, count], dtype=RANK_TOTALS_DTYPE)
+        return _Exchange(self.round, steps, rank, [], inflight, totals, InFlight(None, 0), fields)
+
+    def _omega2(self, compensated: list[torch.Tensor], rank: int) -> dict:
         """The paper's omega^2 and the corrected bound for this round's (r, d, q), weighted by ||c_W||^2."""
         weights, bounds = [], []
         for c in compensated:
             # The compressor's own rule for what goes as factors (r = min(r_t, d) of d = min(m, n)); a tensor sent
             # whole is only quantized: r / d = 1.
             dim = min(c.shape[0], c[0].numel()) if c.ndim >= 2 else 1
-            sent_rank = min(self.compressor.rank, dim) if self.compressor._factored(c.shape) else dim
+            sent_rank = min(rank, dim) if goes_as_factors(c.shape, rank) else dim
             weights.append(float(c.double().pow(2).sum()))
             bounds.append(omega2_bounds(sent_rank, dim, self.cfg.bits))
         total = sum(weights)
@@ -443,12 +520,12 @@ class DiLoCoX(Method):
         paper, corrected = (sum(w * b[i] for w, b in zip(weights, bounds, strict=True)) / total for i in (0, 1))
         return {"omega2_paper": paper, "omega2_corrected": corrected}
 
-    def _rank_totals(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, InFlight]:
-        """This stage's [sum of estimate_rank over its matrices, matrices], and, with adaptation, its all-reduce
-        over the data-parallel group started (so the window gets the replicas' mean)."""
+    def _rank_totals(self, tensors: list[torch.Tensor], exchange: bool = True) -> tuple[torch.Tensor, InFlight]:
+        """This stage's [sum of estimate_rank over its matrices, matrices], and, with adaptation (and `exchange`),
+        its all-reduce over the data-parallel group started (so the window gets the replicas' mean)."""
         ranks = [estimate_rank(t.reshape(t.shape[0], -1), self.cfg.energy) for t in tensors if t.ndim >= 2]
         totals = torch.tensor([sum(ranks), len(ranks)], dtype=RANK_TOTALS_DTYPE, device=tensors[0].device)
-        if not self.cfg.adaptive:
+        if not (self.cfg.adaptive and exchange):
             return totals, InFlight(None, 0)
         return totals, all_reduce_sum(totals, self.ctx.data_parallel_group)
 
@@ -457,12 +534,17 @@ class DiLoCoX(Method):
         """Wait for `exchange`, take the outer step with its average and adapt; (blocked, overlapped, fields)."""
         blocked_s, overlapped_s = exchange.inflight.wait()
         waited_s, hidden_s = exchange.estimate.wait()
+        fields = {}
+        if self.reducer is not None:
+            reduced, fields = exchange.inflight.result
+            if self.cfg.adaptive and reduced.extra.numel():
+                exchange.rank_totals[0] = float(reduced.extra[0]) * exchange.rank_totals[1]
         average = self._average(exchange)
         before = [g.clone() for g in self.global_params]
         self.outer.step(average)
         self.synchronized_steps += exchange.steps
 
-        fields = {"estimated_rank": self._estimated_rank(exchange.rank_totals), **self._monitor(before, average)}
+        fields.update(estimated_rank=self._estimated_rank(exchange.rank_totals), **self._monitor(before, average))
         if self.cfg.adaptive:
             self.rank_estimates.append(fields["estimated_rank"])
             # Takes effect from the round that starts now: its payload and its length.
@@ -471,6 +553,9 @@ class DiLoCoX(Method):
 
     def _average(self, exchange: _Exchange) -> list[torch.Tensor]:
         """Delta: the replicas' mean pseudo-gradient per parameter, identical on every rank."""
+        if self.reducer is not None:
+            reduced, _ = exchange.inflight.result
+            return reduced.average
         if not self.cfg.compression:
             average = [torch.empty_like(g) for g in self.global_params]
             unflatten_into(exchange.buffers[0].float() / self.ctx.replicas, average)

@@ -49,7 +49,8 @@ class SyncPlan:
     the link: `harness project` turns a plan into time with its link model, the same way for every method.
 
     A synchronization starts `exchanges` together, each as its own collective (gloo works a group's collectives
-    side by side), so their bytes add up and the longest sets its time. It comes every `every_steps` steps (1: every
+    side by side), so their bytes add up and the longest sets its time; `sequential`: one after another (each needs
+    the one before: PowerSGD's P then Q), so their times add up too. It comes every `every_steps` steps (1: every
     step; H: once a round). `hidden_steps` steps of forward and backward run while it is in flight before the
     method waits for it: 0 blocks at once, 1 hides it behind the next step, tau behind a round's last tau steps, H
     behind the whole next round. The first `warmup_steps` steps each synchronize with `warmup_exchanges` instead,
@@ -66,6 +67,7 @@ class SyncPlan:
     warmup_exchanges: tuple[Exchange, ...] = ()
     slow_start: bool = False
     adaptive: bool = False
+    sequential: bool = False
 
 
 def numel(shapes: Iterable[Sequence[int]]) -> int:

@@ -153,9 +153,10 @@ class Schedule:
     def of(cls, plan: SyncPlan, n: int, link: LinkModel) -> Schedule:
         """A method's declared plan in time on `link` between n sites."""
         payload = sum(exchange.payload_bytes(n) for exchange in plan.exchanges)
+        times = [link.exchange_s(exchange, n) for exchange in plan.exchanges]
         return cls(
             payload,
-            max(link.exchange_s(exchange, n) for exchange in plan.exchanges),
+            sum(times) if plan.sequential else max(times),
             plan.every_steps,
             plan.hidden_steps,
             warmup_steps=plan.warmup_steps,
