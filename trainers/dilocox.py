@@ -277,6 +277,17 @@ class DiLoCoXConfig(MethodConfig):
             self.rank, self.bits, self.bucket_size, seed=seed, power_iterations=self.power_iterations
         )
 
+    def check_shapes(self, shapes: Sequence[torch.Size]) -> None:
+        """--exchange reduce needs at least one matrix whose rank-r_1 factors are smaller than it: otherwise every
+        tensor travels whole, in bf16, and the exchange is an fp16-sized all-reduce with none of the compression."""
+        if self.exchange != "reduce" or any(goes_as_factors(shape, self.rank) for shape in shapes):
+            return
+        useful = [(s[0] * math.prod(s[1:]) - 1) // (s[0] + math.prod(s[1:])) for s in shapes if len(s) >= 2]
+        raise ValueError(
+            f"--rank {self.rank} leaves no matrix of this model factored under --exchange reduce (every rank-"
+            f"{self.rank} factor pair is as large as its matrix); use --rank {max(useful, default=1)} or lower"
+        )
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """Once a round the rank-r_1 int-q factors' all-gather (fp16 pseudo-gradients' all-reduce without
         compression) and, with adaptation, the rank estimate's all-reduce beside it, hidden behind what --overlap

@@ -82,6 +82,10 @@ class MethodConfig:
         """The most synchronizations a run of `steps` steps makes; None: synchronizes every step or never."""
         return None
 
+    def check_shapes(self, shapes: Sequence[torch.Size]) -> None:
+        """Refuse, with a ValueError naming the flag, settings that cannot work on a model of these parameter
+        shapes (checked before a run starts); the default accepts every model."""
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan | None:
         """How the method uses the slow link when a replica's parameters have these shapes (the whole model: a
         pipeline stage sends its own share of it); None: it sends nothing across clusters."""

@@ -219,3 +219,9 @@ class DecoderLM(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def parameter_shapes(cfg: ModelConfig) -> tuple[torch.Size, ...]:
+    """The model's parameter shapes, built on the meta device: no memory, so the 107B shape works too."""
+    with torch.device("meta"):
+        return tuple(p.shape for p in DecoderLM(cfg).parameters())

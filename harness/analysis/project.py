@@ -48,9 +48,10 @@ from harness.net.link import Profile
 from harness.run.config import RunConfig, check_finite_options
 from harness.run.folder import RunPaths, find_run_dirs, read_events, read_summary
 from harness.units import format_rate
+from trainers import models
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.method import Exchange, SyncPlan
-from trainers.models import DecoderLM, count_parameters, get_model_config
+from trainers.models import count_parameters, get_model_config
 from trainers.registry import resolved_options
 
 # Payload bytes per wire byte that a gloo all-reduce reaches on a tbf-shaped link (calibrate: busbw 0.92-0.95 of the
@@ -194,10 +195,9 @@ class Schedule:
 
 @functools.cache
 def parameter_shapes(model: str) -> tuple[torch.Size, ...]:
-    """The model's parameter shapes, built on the meta device: no memory, so the 107B shape works too. Cached: the
-    gate predicts every run it reads, and building even the meta model takes a tenth of a second."""
-    with torch.device("meta"):
-        return tuple(p.shape for p in DecoderLM(get_model_config(model)).parameters())
+    """The model's parameter shapes (trainers.models.parameter_shapes). Cached: the gate predicts every run it reads,
+    and building even the meta model takes a tenth of a second."""
+    return models.parameter_shapes(get_model_config(model))
 
 
 def schedule(config: RunConfig, link: LinkModel) -> Schedule:

@@ -131,7 +131,7 @@ class RunConfig:
             self.train.validate()
             # Imported here: the model and method registries load torch, which commands that only read
             # profiles or results do not need.
-            from trainers.models import get_model_config
+            from trainers.models import get_model_config, parameter_shapes
 
             model_cfg = get_model_config(self.train.model)
             if self.train.seq_len > model_cfg.max_seq_len:
@@ -139,6 +139,7 @@ class RunConfig:
                     f"--seq-len {self.train.seq_len} exceeds model {model_cfg.name!r}'s "
                     f"{model_cfg.max_seq_len}; use a shorter one"
                 )
+            self.method_config.check_shapes(parameter_shapes(model_cfg))
             if self.stages > 1:
                 from trainers.pipeline import validate_pipeline
 

@@ -4,6 +4,7 @@ itself counts them, a run's window, and the validation against runs."""
 from __future__ import annotations
 
 import json
+import operator
 
 import pytest
 from click.testing import CliRunner
@@ -52,6 +53,22 @@ def test_bytes_are_what_each_method_logged_on_the_tiny_model():
     for method, payload in logged.items():
         options = {"rank": 32} if method == "dilocox" else {}
         assert schedule(method, options, "tiny", 2, LINK_100M_160MS).payload_bytes == payload, method
+
+
+def test_the_reduce_exchange_pays_both_all_reduces_one_after_the_other():
+    link = LINK_100M_160MS
+    for n in (2, 8, 20):
+        reduce = schedule("dilocox", {"exchange": "reduce"}, "tiny", n, link)
+        shapes = project.parameter_shapes("tiny")
+        plan = RunConfig.build("dilocox", "unshaped", exchange="reduce").method_config.sync_plan(shapes)
+        first, second = (link.allreduce_s(e.nbytes, n) for e in plan.exchanges)
+        assert reduce.exchange_s == pytest.approx(first + second)
+        assert reduce.payload_bytes == sum(e.payload_bytes(n) for e in plan.exchanges)
+    # Per site, the gather's bytes grow with n and the reduce's do not.
+    gather_growth = (schedule("dilocox", {}, "tiny", n, link).payload_bytes for n in (2, 20))
+    reduce_growth = (schedule("dilocox", {"exchange": "reduce"}, "tiny", n, link).payload_bytes for n in (2, 20))
+    assert operator.truediv(*reversed(list(gather_growth))) == pytest.approx(19, rel=0.01)
+    assert operator.truediv(*reversed(list(reduce_growth))) == pytest.approx(1.9, rel=0.01)
 
 
 def test_each_method_hides_its_exchange_behind_its_own_schedule():

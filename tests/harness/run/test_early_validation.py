@@ -120,6 +120,17 @@ CASES = [
     Case("lr-zero", ["run", "--lr", "0"], ["--lr must be a positive finite number, got 0"]),
     Case("seed-negative", ["run", "--seed", "-1"], ["--seed must be in [0, 2**64), got -1"]),
     Case("microbatches-negative", ["run", "--microbatches", "-1"], ["--microbatches must be at least 0"]),
+    # --- method settings the model decides ----------------------------------------------------------------------
+    Case(
+        "reduce-rank-above-every-matrix",
+        ["run", "--method", "dilocox", "--exchange", "reduce", "--rank", "200"],
+        ["--rank 200 leaves no matrix of this model factored under --exchange reduce", "use --rank 102 or lower"],
+    ),
+    Case(
+        "reduce-without-compression",
+        ["run", "--method", "dilocox", "--exchange", "reduce", "--no-compression"],
+        ["--exchange reduce reduces low-rank factors, which --no-compression turns off"],
+    ),
     # --- burst --------------------------------------------------------------------------------------------------
     Case(
         "burst-below-a-packet",
