@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainers.compression import Quantized, dequantize, quantize, quantized_nbytes
+
 
 def allreduce_payload_bytes(nbytes: int, n: int) -> int:
     return 0 if n <= 1 else round(2 * (n - 1) / n * nbytes)
@@ -114,6 +116,59 @@ def all_gather_bytes(payload: torch.Tensor, group: dist.ProcessGroup | None) -> 
     gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, payload, group=group, async_op=True)
     return gathered, InFlight(work, allgather_payload_bytes(payload.numel(), dist.get_world_size(group)))
+
+
+def ring_chunk_numel(numel: int, n: int, bucket_size: int) -> int:
+    """Elements per chunk of `quantized_ring_sum`: a 1/n share rounded up to whole quantization buckets."""
+    return -(-numel // (n * bucket_size)) * bucket_size
+
+
+def quantized_ring_payload_bytes(numel: int, n: int, bits: int, bucket_size: int = 128) -> int:
+    """What each rank sends in `quantized_ring_sum`: n - 1 quantized chunks around the ring, n - 1 in the gather."""
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) * quantized_nbytes(ring_chunk_numel(numel, n, bucket_size), bits, bucket_size)
+
+
+def quantized_ring_sum(flat: torch.Tensor, group: dist.ProcessGroup | None, bits: int, bucket_size: int = 128):
+    """The sum of fp32 `flat` over `group`, each hop's partial sum sent as `bits`-bit codes with per-bucket scales.
+
+    gloo sums what it is given, so a quantized payload cannot ride its all-reduce; this is the ring by hand: a
+    reduce-scatter in n - 1 steps, each rank sending one chunk's running sum to the next and adding the chunk it
+    receives (decoded) to its own, then an all-gather of each rank's finished chunk, quantized once more. Every rank
+    decodes the same gathered bytes, so the sum is the same everywhere; it carries n quantization errors, one per
+    hop. Blocking (run it on a thread: InThread). With no group the input comes back as it is: nothing travels.
+    """
+    if group is None:
+        return flat
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    numel = flat.numel()
+    chunk = ring_chunk_numel(numel, n, bucket_size)
+    chunks = list(torch.nn.functional.pad(flat.float(), (0, n * chunk - numel)).view(n, chunk).clone())
+    nbytes = quantized_nbytes(chunk, bits, bucket_size)
+
+    def decode(buf: torch.Tensor) -> torch.Tensor:
+        return dequantize(Quantized.from_bytes(buf, chunk, bits, bucket_size), (chunk,))
+
+    for k in range(n - 1):
+        sent, received = (me - k) % n, (me - k - 1) % n
+        inbox = torch.empty(nbytes, dtype=torch.uint8)
+        ops = [
+            dist.P2POp(
+                dist.isend, quantize(chunks[sent], bits, bucket_size).to_bytes(), group=group, group_peer=(me + 1) % n
+            ),
+            dist.P2POp(dist.irecv, inbox, group=group, group_peer=(me - 1) % n),
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        chunks[received] = chunks[received] + decode(inbox)
+    # Rank r now holds the whole sum of chunk (r + 1) mod n.
+    gathered = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(gathered, quantize(chunks[(me + 1) % n], bits, bucket_size).to_bytes(), group=group)
+    total = torch.empty(n, chunk)
+    for rank, buf in enumerate(gathered):
+        total[(rank + 1) % n] = decode(buf)
+    return total.view(-1)[:numel]
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

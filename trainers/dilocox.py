@@ -206,6 +206,13 @@ class DiLoCoXConfig(MethodConfig):
             "iteration, --bits unused; not with --overlap eager; trainers/powersgd.py)."
         },
     )
+    reduce_wire: powersgd.Wire = field(
+        default="bf16",
+        metadata={
+            "help": "--exchange reduce: what travels, bf16 (gloo's all-reduce) or int8 with per-128 scales through "
+            "a ring that re-quantizes each hop (half the bytes, one rounding per hop)."
+        },
+    )
     adaptive: bool = True
     compression: bool = True
     rank_window: int = 5  # c
@@ -227,6 +234,8 @@ class DiLoCoXConfig(MethodConfig):
             object.__setattr__(self, "overlap_steps", self.local_steps // 10)
         if self.exchange not in EXCHANGES:
             raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}; got {self.exchange!r}")
+        if self.reduce_wire not in powersgd.WIRES:
+            raise ValueError(f"--reduce-wire must be one of {', '.join(powersgd.WIRES)}; got {self.reduce_wire!r}")
         if self.exchange == "reduce" and not self.compression:
             raise ValueError(
                 "--exchange reduce reduces low-rank factors, which --no-compression turns off (it already sends fp16 "
@@ -295,8 +304,9 @@ class DiLoCoXConfig(MethodConfig):
         hidden = {"none": 0, "streaming": self.overlap_steps, "delayed": self.local_steps, "eager": self.local_steps}
         if self.exchange == "reduce":
             # P's all-reduce (the rank estimate inside it), then Q's, which needs P: one after the other.
-            numels = powersgd.buffer_numels(shapes, self.rank, extra=REDUCED_ESTIMATE_VALUES if self.adaptive else 0)
-            exchanges = tuple(Exchange("all-reduce", n * powersgd.WIRE_DTYPE.itemsize) for n in numels)
+            extra = REDUCED_ESTIMATE_VALUES if self.adaptive else 0
+            numels = powersgd.buffer_numels(shapes, self.rank, extra, self.reduce_wire)
+            exchanges = tuple(Exchange("all-reduce", powersgd.buffer_nbytes(n, self.reduce_wire)) for n in numels)
             return SyncPlan(
                 exchanges,
                 self.local_steps,
@@ -359,7 +369,7 @@ class DiLoCoX(Method):
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
         self.compressor = cfg.compressor(ctx.seed)  # under --exchange reduce it only holds r_t
         # The run's seed is every replica's, so their shared bases start equal.
-        self.reducer = powersgd.PowerSGDReducer(ctx.seed) if cfg.exchange == "reduce" else None
+        self.reducer = powersgd.PowerSGDReducer(ctx.seed, cfg.reduce_wire) if cfg.exchange == "reduce" else None
         self.error_feedback = ErrorFeedback()  # e_i, per parameter name
         self.local_steps = cfg.local_steps  # H_t of the round in progress
         # The window starts full of r_1: an early estimate, from pseudo-gradients of the warm-up, moves r only
@@ -509,7 +519,8 @@ class DiLoCoX(Method):
             }
 
         shapes = [d.shape for d in deltas]
-        inflight = InThread(run, powersgd.payload_bytes(shapes, rank, replicas, extra=extra.numel()))
+        nbytes = powersgd.payload_bytes(shapes, rank, replicas, extra.numel(), self.cfg.reduce_wire)
+        inflight = InThread(run, nbytes)
         if self.cfg.adaptive and count:
             # Filled in from the reduced estimate once the exchange lands (_apply): [mean x matrices, matrices].
             totals = torch.tensor([math.nan, count], dtype=RANK_TOTALS_DTYPE)

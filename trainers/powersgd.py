@@ -20,8 +20,10 @@ not grow with the number of sites. The average is the low-rank part of the mean,
 low-rank part. One power iteration per round, as PowerSGD (a second would cost two more all-reduces, round trips
 included); the warm start refines the subspace over rounds.
 
-What travels is bf16, summed in bf16 on the wire: gloo sums what it is given, so an int4/int8 payload cannot be
-re-quantized per hop without a hand-made ring, and fp16's range underflows on a small pseudo-gradient's factors.
+What travels (`wire`): bf16, summed in bf16 by gloo's ring all-reduce (fp16's range underflows on a small
+pseudo-gradient's factors), or int8 with one fp16 scale per 128 values, through a ring by hand that re-quantizes
+each hop's partial sum (comm.quantized_ring_sum: half bf16's bytes, n quantization errors in the sum). Under int8
+every tensor's part of a buffer starts on a bucket boundary, so no bucket mixes two tensors' scales.
 A tensor whose factors would not be smaller than it (1-D, a small matrix; compression.goes_as_factors) travels
 whole in the first all-reduce. `extra` (a few values, DiLoCoX's rank estimate) rides in the first buffer too, so it
 needs no collective or round trip of its own.
@@ -32,14 +34,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from trainers.comm import allreduce_payload_bytes
+from trainers.comm import allreduce_payload_bytes, quantized_ring_payload_bytes, quantized_ring_sum
 from trainers.compression import Shape, goes_as_factors, resized_basis
 
-WIRE_DTYPE = torch.bfloat16  # what travels, unless a test asks for fp32 (exact sums)
+Wire = Literal["bf16", "int8", "fp32"]  # fp32: exact sums, for tests
+WIRES: tuple[str, ...] = ("bf16", "int8")
+WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+INT8_BITS, INT8_BUCKET = 8, 128
 
 
 @dataclass
@@ -55,40 +61,56 @@ def _matrix(shape: Shape) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
+def _align(wire: Wire) -> int:
+    return INT8_BUCKET if wire == "int8" else 1
+
+
+def _padded(numel: int, align: int) -> int:
+    return -(-numel // align) * align
+
+
 def factor_rank(shape: Shape, rank: int) -> int | None:
     """r for a tensor sent as factors at `rank`; None for one sent whole."""
     return min(rank, *_matrix(shape)) if goes_as_factors(shape, rank) else None
 
 
-def buffer_numels(shapes: Sequence[Shape], rank: int, extra: int = 0) -> tuple[int, int]:
-    """Values in the first (P and whole tensors, then `extra`) and the second (Q) all-reduce."""
-    first, second = extra, 0
+def buffer_numels(shapes: Sequence[Shape], rank: int, extra: int = 0, wire: Wire = "bf16") -> tuple[int, int]:
+    """Values in the first (P and whole tensors, then `extra`) and the second (Q) all-reduce, each part padded to
+    whole buckets under int8."""
+    align = _align(wire)
+    first, second = _padded(extra, align), 0
     for shape in shapes:
         r = factor_rank(shape, rank)
         if r is None:
-            first += math.prod(shape)
+            first += _padded(math.prod(shape), align)
         else:
             m, n = _matrix(shape)
-            first, second = first + m * r, second + n * r
+            first, second = first + _padded(m * r, align), second + _padded(n * r, align)
     return first, second
 
 
-def payload_bytes(
-    shapes: Sequence[Shape], rank: int, replicas: int, extra: int = 0, wire_dtype: torch.dtype = WIRE_DTYPE
-) -> int:
+def buffer_nbytes(numel: int, wire: Wire) -> int:
+    """One replica's buffer of `numel` values as the wire holds it (a plan's all-reduce size)."""
+    if wire == "int8":
+        return numel * INT8_BITS // 8 + 2 * -(-numel // INT8_BUCKET)
+    return numel * WIRE_DTYPES[wire].itemsize
+
+
+def payload_bytes(shapes: Sequence[Shape], rank: int, replicas: int, extra: int = 0, wire: Wire = "bf16") -> int:
     """What each replica sends for one exchange: both ring all-reduces."""
-    return sum(
-        allreduce_payload_bytes(numel * wire_dtype.itemsize, replicas) for numel in buffer_numels(shapes, rank, extra)
-    )
+    numels = buffer_numels(shapes, rank, extra, wire)
+    if wire == "int8":
+        return sum(quantized_ring_payload_bytes(n, replicas, INT8_BITS, INT8_BUCKET) for n in numels)
+    return sum(allreduce_payload_bytes(buffer_nbytes(n, wire), replicas) for n in numels)
 
 
 class PowerSGDReducer:
     """The shared-basis exchange of one pipeline stage's tensors. The rank is given per exchange (DiLoCoX adapts
     it between rounds, identically on every replica); the basis follows it (compression.resized_basis)."""
 
-    def __init__(self, seed: int, wire_dtype: torch.dtype = WIRE_DTYPE) -> None:
+    def __init__(self, seed: int, wire: Wire = "bf16") -> None:
         self.seed = seed  # the run's seed: the same on every replica, so their first Q0 agree
-        self.wire_dtype = wire_dtype
+        self.wire = wire
         self._basis: dict[str, torch.Tensor] = {}  # Q per tensor key: the last round's, the same everywhere
 
     def _start(self, key: str, shape: Shape, rank: int) -> torch.Tensor:
@@ -98,6 +120,30 @@ class PowerSGDReducer:
         if q is None:
             q = torch.randn(n, min(rank, m, n), generator=torch.Generator().manual_seed(self.seed))
         return torch.linalg.qr(q.float()).Q
+
+    def _rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """What this replica's own share is worth once sent: bf16 rounds it; under int8 the sum is rounded on the
+        way, not the share, so the share stays as computed."""
+        return x.to(WIRE_DTYPES[self.wire]).float() if self.wire in WIRE_DTYPES else x
+
+    def _sum(self, parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+        """Each part summed over the replicas: one buffer, one ring all-reduce."""
+        align = _align(self.wire)
+        sizes = [p.numel() for p in parts]
+        flat = torch.cat(
+            [torch.nn.functional.pad(p.reshape(-1).float(), (0, _padded(p.numel(), align) - p.numel())) for p in parts]
+            or [torch.empty(0)]
+        )
+        if group is not None and flat.numel():
+            if self.wire == "int8":
+                flat = quantized_ring_sum(flat, group, INT8_BITS, INT8_BUCKET)
+            else:
+                flat = flat.to(WIRE_DTYPES[self.wire])
+                dist.all_reduce(flat, group=group)
+        elif self.wire in WIRE_DTYPES:
+            flat = flat.to(WIRE_DTYPES[self.wire])
+        summed = flat.float().split([_padded(size, align) for size in sizes])
+        return [chunk[:size] for chunk, size in zip(summed, sizes, strict=True)]
 
     def exchange(
         self,
@@ -116,33 +162,23 @@ class PowerSGDReducer:
             m if r is None else m @ self._start(key, t.shape, rank)
             for key, t, m, r in zip(keys, tensors, matrices, ranks, strict=True)
         ]
-        first = torch.cat([x.reshape(-1) for x in sent_first] + [extra.float().reshape(-1)]).to(self.wire_dtype)
-        self._all_reduce(first, group)
-        *summed_first, summed_extra = first.float().split([x.numel() for x in sent_first] + [extra.numel()])
+        *summed_first, summed_extra = self._sum([*sent_first, extra.float()], group)
 
         bases = [
             None if r is None else torch.linalg.qr(summed.view(m.shape[0], r)).Q
             for summed, m, r in zip(summed_first, matrices, ranks, strict=True)
         ]
-        own_q = [None if p is None else (m.T @ p).to(self.wire_dtype) for m, p in zip(matrices, bases, strict=True)]
-        sent_second = [q.reshape(-1) for q in own_q if q is not None]
-        second = torch.cat(sent_second) if sent_second else torch.empty(0, dtype=self.wire_dtype)
-        self._all_reduce(second, group)
-        summed_second = iter(second.float().split([q.numel() for q in sent_second]))
+        own_q = [None if p is None else self._rounded(m.T @ p) for m, p in zip(matrices, bases, strict=True)]
+        summed_second = iter(self._sum([q for q in own_q if q is not None], group))
 
         average, transmitted = [], []
         for key, t, m, summed, p, q in zip(keys, tensors, matrices, summed_first, bases, own_q, strict=True):
             if p is None:
                 average.append((summed / replicas).view(t.shape))
-                transmitted.append(m.to(self.wire_dtype).float().view(t.shape))
+                transmitted.append(self._rounded(m).view(t.shape))
                 continue
             q_sum = next(summed_second).view(m.shape[1], p.shape[1])
             average.append((p @ q_sum.T / replicas).view(t.shape))
-            transmitted.append((p @ q.float().T).view(t.shape))
+            transmitted.append((p @ q.T).view(t.shape))
             self._basis[key] = q_sum
         return Reduced(average, transmitted, summed_extra)
-
-    @staticmethod
-    def _all_reduce(buffer: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        if group is not None and buffer.numel():
-            dist.all_reduce(buffer, group=group)

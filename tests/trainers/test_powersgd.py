@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.trainers.spawn import run_ranks
 from tests.trainers.toy import TOY_OPTIM, clones, method_context, toy_backward, toy_model
-from trainers.comm import allreduce_payload_bytes
+from trainers.comm import allreduce_payload_bytes, quantized_ring_payload_bytes
 from trainers.dilocox import DiLoCoX, DiLoCoXConfig
 from trainers.powersgd import PowerSGDReducer, buffer_numels, factor_rank, payload_bytes
 
@@ -26,7 +26,7 @@ def _matrices(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_one_replica_is_the_power_iteration_by_hand():
     matrix, vector = _matrices(0)
-    reducer = PowerSGDReducer(seed=3, wire_dtype=torch.float32)
+    reducer = PowerSGDReducer(seed=3, wire="fp32")
     out = reducer.exchange([matrix, vector], ["w", "b"], 4, torch.tensor([5.0]), None, 1)
 
     q0 = torch.linalg.qr(torch.randn(20, 4, generator=torch.Generator().manual_seed(3))).Q
@@ -62,12 +62,22 @@ def test_payload_is_two_ring_all_reduces_of_the_factors():
         assert payload_bytes(shapes, 4, n, extra=1) <= 2 * (72 + 80) * 2
 
 
+def test_int8_payload_pads_each_part_to_whole_buckets_and_rides_the_quantized_ring():
+    shapes = [torch.Size([12, 20]), torch.Size([7])]
+    # P: 48 -> 128, the vector 7 -> 128, the estimate 1 -> 128; Q: 80 -> 128.
+    assert buffer_numels(shapes, 4, extra=1, wire="int8") == (384, 128)
+    for n in (2, 4, 8):
+        expected = quantized_ring_payload_bytes(384, n, 8, 128) + quantized_ring_payload_bytes(128, n, 8, 128)
+        assert payload_bytes(shapes, 4, n, extra=1, wire="int8") == expected
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"exchange": "scatter"}, "--exchange must be one of gather, reduce"),
         ({"exchange": "reduce", "compression": False}, "--exchange reduce reduces low-rank factors"),
         ({"exchange": "reduce", "overlap": "eager"}, "--overlap eager restarts"),
+        ({"exchange": "reduce", "reduce_wire": "int4"}, "--reduce-wire must be one of bf16, int8"),
     ],
 )
 def test_bad_exchange_settings_name_the_flag(options, message):
@@ -93,7 +103,7 @@ def _reducer_scenario(rank: int) -> dict:
     shared = torch.randn(16, 2, generator=g) @ torch.randn(2, 24, generator=g)
     noise = torch.randn(16, 24, generator=g)
     mine = shared + (noise if rank == 0 else -noise)
-    reducer = PowerSGDReducer(seed=0, wire_dtype=torch.float32)
+    reducer = PowerSGDReducer(seed=0, wire="fp32")
     out = reducer.exchange([mine], ["w"], 2, torch.tensor([float(rank + 1)]), dist.group.WORLD, WORLD)
     return {
         "shared": shared,
@@ -107,10 +117,10 @@ def _reducer_scenario(rank: int) -> dict:
 def _dilocox_scenario(rank: int) -> dict:
     """DiLoCoX with the reduce exchange on the toy model, streaming and delayed, with adaptation."""
     out = {}
-    for overlap in ("streaming", "delayed"):
+    for overlap, wire in (("streaming", "bf16"), ("delayed", "bf16"), ("streaming", "int8")):
         model = toy_model()
         steps = 12
-        cfg = DiLoCoXConfig(local_steps=4, exchange="reduce", rank=2, min_rank=1, overlap=overlap)
+        cfg = DiLoCoXConfig(local_steps=4, exchange="reduce", rank=2, min_rank=1, overlap=overlap, reduce_wire=wire)
         method = DiLoCoX(method_context(model, TOY_OPTIM, steps, dist.group.WORLD), cfg)
         reports = []
         for step in range(steps):
@@ -119,12 +129,13 @@ def _dilocox_scenario(rank: int) -> dict:
             if report is not None:
                 reports.append(report)
         reports += method.finish()
-        out[overlap] = {
+        out[f"{overlap}-{wire}"] = {
             "theta": clones(method.global_params),
             "payloads": [r.payload_bytes for r in reports],
             "fields": [r.fields for r in reports],
             "shapes": [p.shape for p in model.parameters()],
             "applied": method.applied_steps(steps),
+            "wire": wire,
         }
     return out
 
@@ -159,15 +170,15 @@ def test_error_feedback_keeps_what_the_average_misses(two_replicas):
 
 
 def test_dilocox_reduce_agrees_across_replicas_and_counts_its_bytes(two_replicas):
-    for overlap in ("streaming", "delayed"):
-        a, b = (out[overlap] for out in two_replicas["dilocox"])
+    for variant in ("streaming-bf16", "delayed-bf16", "streaming-int8"):
+        a, b = (out[variant] for out in two_replicas["dilocox"])
         for x, y in zip(a["theta"], b["theta"], strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
         assert a["applied"] == 12
         sent = [p for p in a["payloads"] if p]
-        assert sent, overlap
+        assert sent, variant
         # Every exchange is both all-reduces at that round's rank (the estimate inside the first).
         ranks = [f["rank_r"] for f in a["fields"] if "rank_r" in f]
-        assert sent == [payload_bytes(a["shapes"], r, WORLD, extra=1) for r in ranks]
+        assert sent == [payload_bytes(a["shapes"], r, WORLD, extra=1, wire=a["wire"]) for r in ranks]
         errors = [f["compression_error"] for f in a["fields"] if f.get("compression_error") is not None]
         assert errors and all(0 <= e < 1 for e in errors) and not any(math.isnan(e) for e in errors)
