@@ -371,6 +371,11 @@ class LinkSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> LinkSpec:
+        data = dict(data)
+        # A run recorded before `queue` replaced tbf's `latency` holds the same bound, as line time, as latency_ms.
+        if "latency_ms" in data:
+            latency_ms = data.pop("latency_ms")
+            data.setdefault("queue_ms", latency_ms if data.get("rate_bps") is not None else None)
         return cls(**{**data, "loss_model": data.get("loss_model") and GilbertElliott.from_dict(data["loss_model"])})
 
 

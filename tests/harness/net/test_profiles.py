@@ -682,3 +682,20 @@ def test_tbf_gets_the_queue_as_its_limit():
 def test_a_queue_no_shaper_can_hold_is_refused(tmp_path, link, message):
     with pytest.raises(ProfileError, match=re.escape(message)):
         load_profile(write(tmp_path, f"inter_cluster:\n  {link}\n"))
+
+
+def test_a_config_json_from_before_the_queue_reads_its_tbf_latency_as_the_queue():
+    # What config.json recorded while tbf's queue was its `latency` (the archived studies ran with 50 ms).
+    old = {
+        "rate_bps": 10**8,
+        "burst_bytes": 0,
+        "latency_ms": 50.0,
+        "delay_ms": 0.0,
+        "jitter_ms": 0.0,
+        "loss_pct": 0.0,
+        "reorder": False,
+    }
+    spec = LinkSpec.from_dict({**old, "burst_bytes": LinkSpec(rate_bps=10**8).burst_bytes})
+    assert spec.queue_ms == 50.0 and spec.queue_bytes == 625_000
+    unshaped = LinkSpec.from_dict({**old, "rate_bps": None})
+    assert unshaped == LinkSpec()
