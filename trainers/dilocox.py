@@ -94,19 +94,12 @@ feedback carries what a matrix's rank-r payload misses into its next round. With
 logged but not exchanged: it is this replica's own, pooled over its stages. With compression off, r only sets H.
 The power iteration's warm start survives the changes of r (LowRankQuantizeCompressor.warm_start).
 
-Per sync the method reports (the train loop prefixes `sync_`): round, rank_r and local_steps_h (of the round just
-sent), round_steps (the inner steps of the round just ended: H_t, fewer only for an unfinished last round),
-estimated_rank (of the exchange applied), compression_error = ||c - D(P)|| / ||c|| over the stage, compression_error2
-its square, next to omega2_paper, the paper's bound on it (Lemma 3.6 as the public review quotes
-it), 1 - (r/d) 2^-q, and omega2_corrected, (sqrt(1 - r/d) + 2^(-q/2))^2, the triangle inequality over the rank-r
-truncation (||C_L(x) - x||^2 <= (1 - r/d) ||x||^2 with d = min(m, n), the top r of d singular values holding at
-least r/d of the energy) and the quantization (||C_Q(y) - y||^2 <= 2^-q ||y||^2, ||y|| <= ||x||) that the review
-says the paper's expression does not follow from; both are weighted over the stage's tensors by ||c_W||^2, with r/d
-= 1 for a tensor sent whole (1-D, or a matrix whose factors would not be smaller). The power iteration is not the
-truncated SVD, so neither is a guarantee for what is measured. And a monitor, at every applied average:
-cosine(Delta_t, Delta_{t-1}) (the overlap's assumption is that consecutive averages point the same way),
-step_norm_ratio = ||theta_t - theta_{t-1}|| / ||Delta_t|| (eta (1 + mu) on the first step; it grows as momentum
-builds), and the old staleness = ||Delta_t - Delta_{t-1}|| / ||Delta_{t-1}||, all over the stage.
+Per sync the method reports (the train loop prefixes `sync_`): round, rank_r and local_steps_h of the round just
+sent, round_steps, estimated_rank of the exchange applied, compression_error = ||c - D(P)|| / ||c|| over the stage
+(under `--exchange reduce`: of the exchange applied) and its square beside two bounds on it (omega2_bounds: the
+paper's Lemma 3.6 as the public review quotes it, and the corrected one), and a monitor at every applied average:
+cosine(Delta_t, Delta_{t-1}), step_norm_ratio and staleness (trainers/round_metrics.py says what each means and how
+the bounds are derived).
 """
 
 from __future__ import annotations
@@ -126,7 +119,6 @@ from trainers.compression import (
     ErrorFeedback,
     LowRankQuantizeCompressor,
     estimate_rank,
-    goes_as_factors,
     mean_of_payloads,
     relative_error,
     validate_quantization_flags,
@@ -143,6 +135,7 @@ from trainers.method import (
     tensor_bytes,
 )
 from trainers.optim import OuterOptimizer, validate_outer
+from trainers.round_metrics import outer_step_monitor, weighted_omega2
 
 Overlap = Literal["none", "delayed", "eager", "streaming"]
 OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "streaming")
@@ -200,17 +193,15 @@ class DiLoCoXConfig(MethodConfig):
     exchange: ExchangeDesign = field(
         default="gather",
         metadata={
-            "help": "How the compressed pseudo-gradients travel: gather (the paper's: every replica's rank-r int-q "
-            "factors go to every other, (n-1) payloads per site a round) or reduce (PowerSGD's shared-basis power "
-            "iteration: the factors add, two bf16 all-reduces of 2(n-1)/n of one payload per site; one power "
-            "iteration, --bits unused; not with --overlap eager; trainers/powersgd.py)."
+            "help": "How the compressed pseudo-gradients travel: gather (the paper's: every replica's factors to every "
+            "other, n-1 payloads per site) or reduce (PowerSGD's shared basis: factors add, 2(n-1)/n of one payload "
+            "per site; --bits and --power-iterations unused, not with --overlap eager; trainers/powersgd.py)."
         },
     )
     reduce_wire: powersgd.Wire = field(
         default="bf16",
         metadata={
-            "help": "--exchange reduce: what travels, bf16 (gloo's all-reduce) or int8 with per-128 scales through "
-            "a ring that re-quantizes each hop (half the bytes, one rounding per hop)."
+            "help": "--exchange reduce: bf16, or int8 through a ring that re-quantizes each hop (half the bytes)."
         },
     )
     adaptive: bool = True
@@ -287,15 +278,8 @@ class DiLoCoXConfig(MethodConfig):
         )
 
     def check_shapes(self, shapes: Sequence[torch.Size]) -> None:
-        """--exchange reduce needs at least one matrix whose rank-r_1 factors are smaller than it: otherwise every
-        tensor travels whole, in bf16, and the exchange is an fp16-sized all-reduce with none of the compression."""
-        if self.exchange != "reduce" or any(goes_as_factors(shape, self.rank) for shape in shapes):
-            return
-        useful = [(s[0] * math.prod(s[1:]) - 1) // (s[0] + math.prod(s[1:])) for s in shapes if len(s) >= 2]
-        raise ValueError(
-            f"--rank {self.rank} leaves no matrix of this model factored under --exchange reduce (every rank-"
-            f"{self.rank} factor pair is as large as its matrix); use --rank {max(useful, default=1)} or lower"
-        )
+        if self.exchange == "reduce":
+            powersgd.check_rank(shapes, self.rank)
 
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """Once a round the rank-r_1 int-q factors' all-gather (fp16 pseudo-gradients' all-reduce without
@@ -331,12 +315,6 @@ def adapted_schedule(estimates: Sequence[int], cfg: DiLoCoXConfig) -> tuple[int,
     """(r, H) for the next round from the window of rank estimates (the rule in the module docstring)."""
     rank = min(cfg.rank, max(cfg.min_rank, math.ceil(sum(estimates) / len(estimates))))
     return rank, min(cfg.local_steps_cap, round(cfg.local_steps * cfg.rank / rank))
-
-
-def omega2_bounds(sent_rank: int, dim: int, bits: int) -> tuple[float, float]:
-    """(paper omega^2, corrected bound) for one tensor sent at rank `sent_rank` of `dim` (see the module docstring)."""
-    kept = sent_rank / dim
-    return 1 - kept * 2.0**-bits, (math.sqrt(1 - kept) + 2.0 ** (-bits / 2)) ** 2
 
 
 @dataclass
@@ -484,7 +462,9 @@ class DiLoCoX(Method):
         buffers, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
         error = relative_error(flatten(compensated), flatten(transmitted))
         fields.update(
-            compression_error=error, compression_error2=error**2, **self._omega2(compensated, self.compressor.rank)
+            compression_error=error,
+            compression_error2=error**2,
+            **weighted_omega2(compensated, self.compressor.rank, self.cfg.bits),
         )
         # Estimated on c, before compression: after it, at most r of its directions are left to see.
         totals, estimate = self._rank_totals(compensated)
@@ -512,35 +492,15 @@ class DiLoCoX(Method):
             for name, c, t in zip(self.names, compensated, reduced.transmitted, strict=True):
                 self.error_feedback.update(name, c, t)
             error = relative_error(flatten(compensated), flatten(reduced.transmitted))
-            return reduced, {
-                "compression_error": error,
-                "compression_error2": error**2,
-                **self._omega2(compensated, rank),
-            }
+            bounds = weighted_omega2(compensated, rank, self.cfg.bits)
+            return reduced, {"compression_error": error, "compression_error2": error**2, **bounds}
 
         shapes = [d.shape for d in deltas]
-        nbytes = powersgd.payload_bytes(shapes, rank, replicas, extra.numel(), self.cfg.reduce_wire)
-        inflight = InThread(run, nbytes)
+        inflight = InThread(run, powersgd.payload_bytes(shapes, rank, replicas, extra.numel(), self.cfg.reduce_wire))
         if self.cfg.adaptive and count:
             # Filled in from the reduced estimate once the exchange lands (_apply): [mean x matrices, matrices].
             totals = torch.tensor([math.nan, count], dtype=RANK_TOTALS_DTYPE)
         return _Exchange(self.round, steps, rank, [], inflight, totals, InFlight(None, 0), fields)
-
-    def _omega2(self, compensated: list[torch.Tensor], rank: int) -> dict:
-        """The paper's omega^2 and the corrected bound for this round's (r, d, q), weighted by ||c_W||^2."""
-        weights, bounds = [], []
-        for c in compensated:
-            # The compressor's own rule for what goes as factors (r = min(r_t, d) of d = min(m, n)); a tensor sent
-            # whole is only quantized: r / d = 1.
-            dim = min(c.shape[0], c[0].numel()) if c.ndim >= 2 else 1
-            sent_rank = min(rank, dim) if goes_as_factors(c.shape, rank) else dim
-            weights.append(float(c.double().pow(2).sum()))
-            bounds.append(omega2_bounds(sent_rank, dim, self.cfg.bits))
-        total = sum(weights)
-        if total == 0:
-            return {"omega2_paper": None, "omega2_corrected": None}
-        paper, corrected = (sum(w * b[i] for w, b in zip(weights, bounds, strict=True)) / total for i in (0, 1))
-        return {"omega2_paper": paper, "omega2_corrected": corrected}
 
     def _rank_totals(self, tensors: list[torch.Tensor], exchange: bool = True) -> tuple[torch.Tensor, InFlight]:
         """This stage's [sum of estimate_rank over its matrices, matrices], and, with adaptation (and `exchange`),
@@ -600,16 +560,8 @@ class DiLoCoX(Method):
         return math.ceil(total / count) if count else self.cfg.rank
 
     def _monitor(self, before: list[torch.Tensor], average: list[torch.Tensor]) -> dict:
-        """cosine(Delta_t, Delta_{t-1}), ||theta_t - theta_{t-1}|| / ||Delta_t|| and the old staleness ratio."""
         delta = flatten(average).double()
-        norm = float(torch.linalg.vector_norm(delta))
-        step = float(torch.linalg.vector_norm(flatten(self.global_params).double() - flatten(before).double()))
-        fields = {"cosine": None, "step_norm_ratio": step / norm if norm else None, "staleness": None}
-        if self.last_average is not None:
-            fields["staleness"] = relative_error(self.last_average, delta)
-            last_norm = float(torch.linalg.vector_norm(self.last_average))
-            if norm and last_norm:
-                fields["cosine"] = float(delta @ self.last_average) / (norm * last_norm)
+        fields = outer_step_monitor(before, self.global_params, delta, self.last_average)
         self.last_average = delta
         return fields
 

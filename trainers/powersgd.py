@@ -74,6 +74,17 @@ def factor_rank(shape: Shape, rank: int) -> int | None:
     return min(rank, *_matrix(shape)) if goes_as_factors(shape, rank) else None
 
 
+def check_rank(shapes: Sequence[Shape], rank: int) -> None:
+    """Refuse a rank that leaves no matrix factored: everything would travel whole, uncompressed but for bf16."""
+    if any(goes_as_factors(shape, rank) for shape in shapes):
+        return
+    useful = [(m * n - 1) // (m + n) for m, n in (_matrix(s) for s in shapes if len(s) >= 2)]
+    raise ValueError(
+        f"--rank {rank} leaves no matrix of this model factored under --exchange reduce (every rank-{rank} factor "
+        f"pair is as large as its matrix); use --rank {max(useful, default=1)} or lower"
+    )
+
+
 def buffer_numels(shapes: Sequence[Shape], rank: int, extra: int = 0, wire: Wire = "bf16") -> tuple[int, int]:
     """Values in the first (P and whole tensors, then `extra`) and the second (Q) all-reduce, each part padded to
     whole buckets under int8."""
