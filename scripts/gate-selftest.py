@@ -107,9 +107,9 @@ INJECTIONS = (
         "the validation loss comes out 0.5% higher",
     ),
     Injection(
-        "cocktail-step-15pct-slower", "cocktail", "step_overhead",
-        (Edit("trainers/cocktail.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
-        "CocktailSGD's step sleeps 15% of its own time",
+        "demo-step-15pct-slower", "demo", "step_overhead",
+        (Edit("trainers/demo.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
+        "DeMo's step sleeps 15% of its own time",
     ),
 )  # fmt: skip
 COPIED = ("harness", "trainers", "netem_profiles", "compose", "pyproject.toml")

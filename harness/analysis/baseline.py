@@ -10,6 +10,7 @@ import os
 import shlex
 import statistics
 import tempfile
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,12 @@ MIN_REPEATS = 5
 # Runs per method a check makes (the file's run: repeats): the median of 3 against the bands' median of >= 5 keeps
 # the check within 5 minutes on 2 cores (gate.py's module doc, K).
 CHECK_REPEATS = 3
+# Bands not derived, with why: a metric that moves more between the hosts CI draws than a regression it must catch.
+UNGATED = {
+    ("cocktail", "step_overhead"): "read 2.25 on one host and 1.76 on another with the same code (-22%, its "
+    "memory-bound compression against the forward and backward), more than the 15% slowdown it must catch; per-host "
+    "references would gate it",
+}
 # Settings `harness baseline` always writes into run: (others only where a run differs from the default).
 ALWAYS_WRITTEN = ("model", "steps", "batch_size", "eval_every", "clusters", "stages")
 
@@ -172,6 +179,8 @@ def derive_baseline(results: Path) -> Derived:
         label = f"{method} on {profile}"
         bands = []
         for name, metric in METRICS.items():
+            if (method, name) in UNGATED:
+                continue
             values = [v for v in (r.measures.get(metric.measure_key) for r in group) if v is not None]
             if len(values) == len(group):
                 bands.append(derive_band(name, values, label))
@@ -257,6 +266,9 @@ def baseline_text(derived: Derived, out: Path) -> str:
     ]
     if derived.machine:
         lines += [f"# The runs were measured on: {derived.machine}.", "#"]
+    for (method, metric), why in UNGATED.items():
+        text = textwrap.wrap(f"Not gated: {method} {metric}, which {why}.", 112)
+        lines += [*(f"# {line}" for line in text), "#"]
     lines += [
         "# Each band: reference = the median over the repeats; noise = one run's relative standard deviation over",
         f"# them; tolerance = max(floor, {TOLERANCE_K:g} x noise), floors:",
