@@ -13,6 +13,8 @@ AdamW steps from the replica's start point s_i (theta itself, except under `eage
 
 A sum of low-rank factors is not the factor of a sum, so the payloads are gathered (one flat uint8 buffer per
 replica) and every rank decodes and averages all of them, in rank order, so Delta_t is bit-identical everywhere.
+`--exchange reduce` instead starts every replica from one shared basis, so the factors add and two all-reduces carry
+them (trainers/powersgd.py): each site sends 2(n-1)/n of a payload where the gather sends n-1 payloads.
 D(P_i), the replica's own share of Delta_t times n (n replicas), is what the replica itself sent.
 `--no-compression` sends fp16 pseudo-gradients through an fp16 all-reduce instead, as OpenDiLoCo does, without
 error feedback; with overlap, compression and adaptation all off this is OpenDiLoCo exactly.
@@ -492,7 +494,7 @@ class DiLoCoX(Method):
             for name, c, t in zip(self.names, compensated, reduced.transmitted, strict=True):
                 self.error_feedback.update(name, c, t)
             error = relative_error(flatten(compensated), flatten(reduced.transmitted))
-            bounds = weighted_omega2(compensated, rank, self.cfg.bits)
+            bounds = weighted_omega2(compensated, rank, powersgd.WIRE_BITS[self.cfg.reduce_wire])
             return reduced, {"compression_error": error, "compression_error2": error**2, **bounds}
 
         shapes = [d.shape for d in deltas]

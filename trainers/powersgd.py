@@ -46,6 +46,9 @@ Wire = Literal["bf16", "int8", "fp32"]  # fp32: exact sums, for tests
 WIRES: tuple[str, ...] = ("bf16", "int8")
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INT8_BITS, INT8_BUCKET = 8, 128
+# The q of each wire in the compression-error bounds (trainers/round_metrics.py): bf16 keeps 8 significant bits, so
+# its relative rounding error is at most 2^-8, which the bounds' 2^(-q/2) reads as q = 16.
+WIRE_BITS = {"bf16": 16, "int8": INT8_BITS}
 
 
 @dataclass
