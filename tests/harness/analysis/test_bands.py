@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from harness.analysis.bands import METRICS, Band, BaselineError, load_baseline, load_stored_runs, needed_runs
+from harness.analysis.baseline import UNGATED
 from harness.run.folder import UnreadableResults
 from tests.harness.analysis.repeats import STEPS, check, fake_run
 from tests.harness.fakeruns import damage
@@ -156,8 +157,9 @@ def test_needed_runs_are_one_sweep_per_profile_of_the_checks_methods(tmp_path):
 def test_the_committed_baseline_is_valid_and_gates_every_method():
     baseline = load_baseline(pathlib.Path(__file__).parents[3] / "results/reference/baseline.yaml")
     gated = {(c.method, b.metric) for c in baseline.checks for b in c.bands}
-    for method in ("allreduce", "dilocox", "opendiloco", "cocktail"):
-        assert {(method, m) for m in METRICS} <= gated
+    for method in ("allreduce", "dilocox", "opendiloco", "cocktail", "sparseloco", "demo"):
+        assert {(method, m) for m in METRICS} - set(UNGATED) <= gated
+    assert not set(UNGATED) & gated
     assert baseline.settings["steps"] == 40 and baseline.repeats == 3
 
 
