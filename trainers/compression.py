@@ -315,7 +315,7 @@ def decode_indices(buf: torch.Tensor, count: int, numel: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _as_matrix(shape: Shape) -> tuple[int, int]:
+def matrix_shape(shape: Shape) -> tuple[int, int]:
     """Tensors of two or more dimensions are compressed as the matrix (shape[0], everything else)."""
     return shape[0], math.prod(shape[1:])
 
@@ -351,7 +351,7 @@ def goes_as_factors(shape: Shape, rank: int) -> bool:
     """Whether a ``shape`` tensor goes as rank-``rank`` factors: a matrix whose factors are smaller than it."""
     if len(shape) < 2:
         return False
-    m, n = _as_matrix(shape)
+    m, n = matrix_shape(shape)
     return min(rank, m, n) * (m + n) < m * n
 
 
@@ -363,7 +363,7 @@ def resized_basis(q: torch.Tensor | None, shape: Shape, rank: int, seed: int) ->
     A rise keeps every column and appends columns r_old..r-1 of the Gaussian that a cold start at rank r draws from
     ``seed``: deterministic, and orthogonalised against the kept ones by the QR.
     """
-    m, n = _as_matrix(shape)
+    m, n = matrix_shape(shape)
     r = min(rank, m, n)
     if q is None or q.shape[0] != n:
         return None
@@ -375,7 +375,7 @@ def resized_basis(q: torch.Tensor | None, shape: Shape, rank: int, seed: int) ->
 
 def low_rank_nbytes(shape: Shape, rank: int, bits: int | None, bucket_size: int = 128) -> int:
     """Bytes of the factors P [m, r], Q [n, r] of a ``shape`` matrix, quantized to ``bits`` (None: fp32)."""
-    m, n = _as_matrix(shape)
+    m, n = matrix_shape(shape)
     r = min(rank, m, n)
     return _values_nbytes(m * r, bits, bucket_size) + _values_nbytes(n * r, bits, bucket_size)
 
@@ -553,7 +553,7 @@ class LowRankQuantizeCompressor:
     def encode(self, x: torch.Tensor, step: int, key: str | None = None) -> torch.Tensor:
         if not self._factored(x.shape):
             return _encode_values(x, self.bits, self.bucket_size)
-        matrix = x.reshape(_as_matrix(x.shape))
+        matrix = x.reshape(matrix_shape(x.shape))
         p, q = low_rank(matrix, self.rank, self.warm_start(key, x.shape), self.seed, self.power_iterations)
         if key is not None:
             self._warm_q[key] = q
@@ -568,7 +568,7 @@ class LowRankQuantizeCompressor:
     def decode(self, payload: torch.Tensor, shape: torch.Size, step: int) -> torch.Tensor:
         if not self._factored(shape):
             return _decode_values(payload, self.bits, self.bucket_size, shape)
-        m, n = _as_matrix(shape)
+        m, n = matrix_shape(shape)
         r = min(self.rank, m, n)
         p_nbytes = _values_nbytes(m * r, self.bits, self.bucket_size)
         p = _decode_values(payload[:p_nbytes], self.bits, self.bucket_size, (m, r))

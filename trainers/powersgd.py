@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from trainers.comm import allreduce_payload_bytes, quantized_ring_payload_bytes, quantized_ring_sum
-from trainers.compression import Shape, goes_as_factors, resized_basis
+from trainers.compression import Shape, goes_as_factors, matrix_shape, resized_basis
 
 Wire = Literal["bf16", "int8", "fp32"]  # fp32: exact sums, for tests
 WIRES: tuple[str, ...] = ("bf16", "int8")
@@ -60,10 +60,6 @@ class Reduced:
     extra: torch.Tensor  # the sum over replicas of every replica's `extra`, fp32
 
 
-def _matrix(shape: Shape) -> tuple[int, int]:
-    return shape[0], math.prod(shape[1:])
-
-
 def _align(wire: Wire) -> int:
     return INT8_BUCKET if wire == "int8" else 1
 
@@ -74,14 +70,14 @@ def _padded(numel: int, align: int) -> int:
 
 def factor_rank(shape: Shape, rank: int) -> int | None:
     """r for a tensor sent as factors at `rank`; None for one sent whole."""
-    return min(rank, *_matrix(shape)) if goes_as_factors(shape, rank) else None
+    return min(rank, *matrix_shape(shape)) if goes_as_factors(shape, rank) else None
 
 
 def check_rank(shapes: Sequence[Shape], rank: int) -> None:
     """Refuse a rank that leaves no matrix factored: everything would travel whole, uncompressed but for bf16."""
     if any(goes_as_factors(shape, rank) for shape in shapes):
         return
-    useful = [(m * n - 1) // (m + n) for m, n in (_matrix(s) for s in shapes if len(s) >= 2)]
+    useful = [(m * n - 1) // (m + n) for m, n in (matrix_shape(s) for s in shapes if len(s) >= 2)]
     raise ValueError(
         f"--rank {rank} leaves no matrix of this model factored under --exchange reduce (every rank-{rank} factor "
         f"pair is as large as its matrix); use --rank {max(useful, default=1)} or lower"
@@ -98,7 +94,7 @@ def buffer_numels(shapes: Sequence[Shape], rank: int, extra: int = 0, wire: Wire
         if r is None:
             first += _padded(math.prod(shape), align)
         else:
-            m, n = _matrix(shape)
+            m, n = matrix_shape(shape)
             first, second = first + _padded(m * r, align), second + _padded(n * r, align)
     return first, second
 
@@ -129,7 +125,7 @@ class PowerSGDReducer:
 
     def _start(self, key: str, shape: Shape, rank: int) -> torch.Tensor:
         """Q0, orthonormal: the same on every replica (the shared last Q, or one seed's Gaussian)."""
-        m, n = _matrix(shape)
+        m, n = matrix_shape(shape)
         q = resized_basis(self._basis.get(key), shape, rank, self.seed)
         if q is None:
             q = torch.randn(n, min(rank, m, n), generator=torch.Generator().manual_seed(self.seed))
@@ -171,7 +167,7 @@ class PowerSGDReducer:
         """Both all-reduces and what lies between them, blocking (DiLoCoX runs it on a thread: comm.InThread).
         With no group (one replica) nothing travels and the result is the same compression applied locally."""
         ranks = [factor_rank(t.shape, rank) for t in tensors]
-        matrices = [t.reshape(_matrix(t.shape)).float() for t in tensors]
+        matrices = [t.reshape(matrix_shape(t.shape)).float() for t in tensors]
         sent_first = [
             m if r is None else m @ self._start(key, t.shape, rank)
             for key, t, m, r in zip(keys, tensors, matrices, ranks, strict=True)

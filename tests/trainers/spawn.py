@@ -40,3 +40,10 @@ def run_ranks(scenario, args: tuple, out_dir: Path, world: int = 2) -> list:
     """
     mp.spawn(_rank, args=(world, free_port(), scenario, args, out_dir), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+def run_scenarios(scenarios, out_dir: Path, world: int = 2) -> dict[str, list]:
+    """Run `scenarios(rank)`, a module-level function returning {scenario name: result}, on `world` ranks in one
+    spawn (spawning is the slow part); returns scenario name -> each rank's result, in rank order."""
+    results = run_ranks(scenarios, (), out_dir, world)
+    return {name: [out[name] for out in results] for name in results[0]}

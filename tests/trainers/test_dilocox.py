@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.trainers.spawn import run_ranks
+from tests.trainers.spawn import run_scenarios
 from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.compression import low_rank_nbytes, quantized_nbytes
@@ -242,8 +242,7 @@ def _all_scenarios(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory) -> dict[str, list[dict]]:
     """Scenario name -> each rank's results."""
-    results = run_ranks(_all_scenarios, (), tmp_path_factory.mktemp("dilocox"), WORLD)
-    return {name: [out[name] for out in results] for name in results[0]}
+    return run_scenarios(_all_scenarios, tmp_path_factory.mktemp("dilocox"), WORLD)
 
 
 def test_every_part_off_is_opendiloco(two_replicas):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.trainers.spawn import run_ranks
+from tests.trainers.spawn import run_scenarios
 from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
 from trainers.dilocox import DiLoCoX, DiLoCoXConfig
 from trainers.method import MethodContext
@@ -305,8 +305,7 @@ def _all_scenarios(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory) -> dict[str, list[dict]]:
-    results = run_ranks(_all_scenarios, (), tmp_path_factory.mktemp("dilocox_overlap"), WORLD)
-    return {name: [out[name] for out in results] for name in results[0]}
+    return run_scenarios(_all_scenarios, tmp_path_factory.mktemp("dilocox_overlap"), WORLD)
 
 
 def test_eager_commits_the_delayed_recursion_and_restarts_ahead_by_its_fresh_share(two_replicas):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.trainers.spawn import run_ranks
+from tests.trainers.spawn import run_scenarios
 from tests.trainers.toy import TOY_OPTIM, clones, method_context, toy_backward, toy_model
 from trainers.comm import allreduce_payload_bytes, quantized_ring_payload_bytes
 from trainers.dilocox import DiLoCoX, DiLoCoXConfig
@@ -146,8 +146,7 @@ def _all_scenarios(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory) -> dict[str, list[dict]]:
-    results = run_ranks(_all_scenarios, (), tmp_path_factory.mktemp("powersgd"), WORLD)
-    return {name: [out[name] for out in results] for name in results[0]}
+    return run_scenarios(_all_scenarios, tmp_path_factory.mktemp("powersgd"), WORLD)
 
 
 def test_a_low_rank_mean_is_recovered_exactly_at_its_rank(two_replicas):
