@@ -388,7 +388,10 @@ def estimate_rank(x2d: torch.Tensor, energy: float = 0.9) -> int:
     compressor accepts.
     """
     _check_ratio("energy", energy)
-    sq = torch.linalg.svdvals(x2d.detach().to(torch.float32)) ** 2
+    x = x2d.detach().to(torch.float32)
+    # A matrix and its transpose have the same singular values, and LAPACK's CPU path takes a wide matrix ~6x
+    # longer than a tall one (0.22 s tall, 1.44 s wide for a 896 x 4864 MLP matrix on one thread).
+    sq = torch.linalg.svdvals(x.T if x.shape[0] < x.shape[1] else x) ** 2
     total = sq.sum()
     if total == 0:
         return 1
