@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class TrainConfig:
     # Steps excluded from throughput: the first steps pay for allocator warm-up and connection set-up.
     throughput_warmup_steps: int = 5
     data: str | None = None
+    # The field that holds a record's text in JSONL, parquet or saved-dataset --data (trainers/documents.py).
+    data_field: str = "text"
+    # bytes, a local tokenizer.json, or bpe:N trained on the corpus (trainers/tokenizer.py). A built-in model's
+    # vocabulary follows it; a transformers config keeps its own, which must hold it.
+    tokenizer: str = "bytes"
     # Every data_shift steps each replica's batches move to another of SHIFT_SEGMENTS (8) contiguous segments of its
     # shard, all replicas at the same steps (trainers/data.py, replica_batches); 0 = off. Validation does not shift.
     data_shift: int = 0
@@ -73,8 +79,23 @@ class TrainConfig:
     threads_per_rank: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
 
+    def model_config(self) -> Any:
+        """The model this trains (trainers.models): a built-in one takes the tokenizer's vocabulary, except under
+        `bytes`, where it keeps its own so the published shapes (opt-125m, qwen1.5-107b) stay exact; a transformers
+        config keeps its vocabulary, which must hold the tokenizer's ids."""
+        # Imported here: this module stays free of torch and transformers for the commands that only read configs.
+        from trainers.models import ModelConfig, get_model_config, with_vocab
+        from trainers.tokenizer import BYTES, declared_vocab_size, parse_tokenizer
+
+        model = get_model_config(self.model)
+        if self.tokenizer == BYTES and isinstance(model, ModelConfig):
+            return model
+        return with_vocab(model, declared_vocab_size(parse_tokenizer(self.tokenizer)))
+
     def validate(self) -> None:
         self.optim.validate()
+        if not (isinstance(self.data_field, str) and self.data_field):
+            raise ValueError(f"--data-field must name a field, got {self.data_field!r}")
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
         if self.batch_size < 1:

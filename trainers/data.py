@@ -4,10 +4,10 @@ Nothing is downloaded. The default corpus is this Python's own standard library,
 the harness already has; `--data PATH` swaps in any text file or directory of text files.
 """
 
-import codecs
 import functools
 import hashlib
 import itertools
+import math
 import os
 import stat
 import sys
@@ -19,11 +19,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainers.documents import holds_records, read_text, records, source_files
+from trainers.tokenizer import BYTE_VOCAB, BYTES, encode_corpus, parse_tokenizer
+
 # Byte-level stand-in for <|endoftext|>: ASCII "end of transmission" never occurs in source code.
 DOC_SEPARATOR = b"\x04"
 # What load_corpus holds out and how much it reads; the workers call it with these defaults.
 VAL_FRACTION = 0.05
 MAX_BYTES = 8 << 20
+# The JSONL/parquet/datasets field that holds a record's text (--data-field).
+TEXT_FIELD = "text"
 # --data-shift N cuts each replica's shard into this many contiguous segments and moves its batches to another one
 # every N steps. 8 keeps each segment a run of neighbouring files (the default corpus: ~0.5 MiB of stdlib modules per
 # segment with 2 clusters, ~120 KiB with 8), so segments differ in style, while 8 x 8 segments of the default corpus
@@ -33,10 +38,24 @@ SHIFT_SEGMENTS = 8
 
 @dataclass(frozen=True)
 class Corpus:
-    train: torch.Tensor  # uint8 token ids
-    val: torch.Tensor  # uint8 held-out ids, disjoint from train
-    source: str  # human-readable description of what was loaded
+    train: torch.Tensor  # token ids (uint8 for bytes, int32 otherwise)
+    val: torch.Tensor  # held-out token ids, disjoint from train
+    source: str  # human-readable description of what was loaded and what is held out
     sha256: str  # of the concatenated bytes (train and val documents in file order)
+    # UTF-8 bytes of each split (separators included), for bits per byte: loss per token x tokens / bytes.
+    train_bytes: int = 0
+    val_bytes: int = 0
+    vocab_size: int = BYTE_VOCAB
+    tokenizer: str = "bytes (256 tokens)"
+    tokenizer_sha256: str = BYTES
+
+    @property
+    def val_tokens_per_byte(self) -> float:
+        return len(self.val) / self.val_bytes
+
+    def bits_per_byte(self, loss_per_token: float) -> float:
+        """A held-out loss (nats per token) in bits per byte of text: comparable across tokenizers."""
+        return loss_per_token * self.val_tokens_per_byte / math.log(2)
 
 
 @functools.cache
@@ -51,47 +70,34 @@ def _stdlib_files() -> tuple[Path, tuple[Path, ...]]:
     return root, tuple(sorted(files, key=lambda f: f.relative_to(root).as_posix()))
 
 
-def _user_files(path: Path) -> list[Path]:
-    """A file, or every file under a folder whatever its extension, but hidden ones (.git, .venv, editor state)."""
-    if path.is_file():
-        return [path]
-    # Hidden entries are tooling, not text someone meant to train on.
-    visible = (f for f in path.rglob("*") if not any(p.startswith(".") for p in f.relative_to(path).parts))
-    return sorted((f for f in visible if f.is_file()), key=lambda f: f.relative_to(path).as_posix())
+def _read_documents(
+    files: list[Path], max_bytes: int, text_field: str = TEXT_FIELD
+) -> tuple[list[tuple[Path, bytes]], list[Path]]:
+    """Read sources in order until their documents hold max_bytes (the last one cut to fit), skipping empty ones.
 
-
-def _read_text(f: Path, limit: int) -> bytes | None:
-    """At most the first `limit` bytes of f, or None when they are not UTF-8 (a character cut at `limit` is fine).
-
-    Only the bytes that can be used are read and decoded, so a huge file costs no more than the budget.
-    """
-    with f.open("rb") as fh:
-        data = fh.read(limit + 1)
-    whole = len(data) <= limit
-    data = data[:limit]
-    try:
-        codecs.getincrementaldecoder("utf-8")().decode(data, final=whole)
-    except UnicodeDecodeError:
-        return None
-    return data
-
-
-def _read_documents(files: list[Path], max_bytes: int) -> tuple[list[tuple[Path, bytes]], list[Path]]:
-    """Read files in order until they hold max_bytes (the last one cut to fit), skipping empty files.
-
-    Non-UTF-8 files are skipped too, rather than decoded with replacement: in a directory of text they are
-    almost always binaries (images, archives, pickles), and their bytes would only teach the model noise.
-    Returns the documents (with their files) and the files skipped as not UTF-8.
+    A text file is one document, a JSONL/parquet file or saved dataset one per record (trainers/documents.py).
+    Non-UTF-8 text files are skipped rather than decoded with replacement: in a directory of text they are almost
+    always binaries (images, archives, pickles), and their bytes would only teach the model noise.
+    Returns the documents (with their sources) and the files skipped as not UTF-8.
     """
     docs, binary, budget = [], [], max_bytes
     for f in files:
-        data = _read_text(f, budget)
-        if data is None:
-            binary.append(f)
-            continue
-        if data:
-            docs.append((f, data))
-            budget -= len(data)
+        if holds_records(f):
+            for text in records(f, text_field):
+                data = text.encode()[:budget]
+                if data:
+                    docs.append((f, data))
+                    budget -= len(data)
+                if budget == 0:
+                    break
+        else:
+            data = read_text(f, budget)
+            if data is None:
+                binary.append(f)
+                continue
+            if data:
+                docs.append((f, data))
+                budget -= len(data)
         if budget == 0:
             break
     return docs, binary
@@ -115,33 +121,47 @@ def _single_file_val_bytes(length: int, val_fraction: float) -> int:
     return max(1, int(length * val_fraction))
 
 
-def _split(docs: list[bytes], val_fraction: float) -> tuple[bytes, bytes, bytes]:
-    """(all documents joined, train, val), split as load_corpus documents."""
-    joined = DOC_SEPARATOR.join(docs)
+def _split(docs: list[bytes], val_fraction: float) -> tuple[list[bytes], list[bytes]]:
+    """(train documents, val documents): whole documents, or a single one cut by bytes (see load_corpus)."""
     if len(docs) == 1:
-        cut = len(joined) - _single_file_val_bytes(len(joined), val_fraction)
-        return joined, joined[:cut], joined[cut:]
+        cut = len(docs[0]) - _single_file_val_bytes(len(docs[0]), val_fraction)
+        return [docs[0][:cut]], [docs[0][cut:]]
     held_out = _held_out(len(docs), val_fraction)
-    train = DOC_SEPARATOR.join(d for d, v in zip(docs, held_out, strict=True) if not v)
-    val = DOC_SEPARATOR.join(d for d, v in zip(docs, held_out, strict=True) if v)
-    return joined, train, val
+    train = [d for d, v in zip(docs, held_out, strict=True) if not v]
+    val = [d for d, v in zip(docs, held_out, strict=True) if v]
+    return train, val
 
 
-def _to_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def _held_out_rule(n_docs: int, val_fraction: float) -> str:
+    if n_docs == 1:
+        return f"its last {val_fraction:.0%}"
+    return f"every {round(1 / val_fraction)}th document" + (" (the last one here)" if n_docs * val_fraction < 1 else "")
 
 
-def load_corpus(path: str | None = None, val_fraction: float = VAL_FRACTION, max_bytes: int = MAX_BYTES) -> Corpus:
-    """Load the corpus and split it into train and held-out val, by whole documents.
+def _to_tensor(ids: np.ndarray) -> torch.Tensor:
+    # A copy: the ids may be a read-only view of a file or buffer, and torch wants memory it may write.
+    return torch.from_numpy(np.array(ids))
 
-    A directory's files are documents, and every 1/val_fraction-th one goes to val, so no file is in both
-    splits (with fewer files than that, the last one is held out). A single file is split by bytes: its last
-    val_fraction goes to val.
+
+def load_corpus(
+    path: str | None = None,
+    val_fraction: float = VAL_FRACTION,
+    max_bytes: int = MAX_BYTES,
+    tokenizer: str = BYTES,
+    text_field: str = TEXT_FIELD,
+) -> Corpus:
+    """Load the corpus, split it into train and held-out val by whole documents, and encode both with `tokenizer`.
+
+    A text file is a document, so is each record of a JSONL or parquet file or saved dataset (trainers/documents.py),
+    and every 1/val_fraction-th document goes to val, so no document is in both splits (with fewer documents than
+    that, the last one is held out). A single document is split by bytes: its last val_fraction goes to val.
+    The tokenizer (trainers/tokenizer.py) sees each split's documents on their own; a BPE is trained on train only.
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}.")
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}.")
+    spec = parse_tokenizer(tokenizer)
     if path is None:
         root, files = _stdlib_files()
         name = f"python-stdlib {sys.version.split()[0]} ({root})"
@@ -149,24 +169,43 @@ def load_corpus(path: str | None = None, val_fraction: float = VAL_FRACTION, max
         root = Path(path).expanduser()
         if not root.exists():
             raise ValueError(f"data path '{root}' does not exist; pass an existing text file or directory.")
-        files = _user_files(root)
+        files = source_files(root)
         name = str(root)
 
-    docs = [data for _, data in _read_documents(files, max_bytes)[0]]
+    read = _read_documents(files, max_bytes, text_field)[0]
+    docs = [data for _, data in read]
     total = sum(map(len, docs))
     if total == 0:
         raise ValueError(f"no UTF-8 text found in {name}; pass a text file or a directory of text files.")
-    joined, train, val = _split(docs, val_fraction)
-    if len(train) < 2 or len(val) < 2:
+    train_docs, val_docs = _split(docs, val_fraction)
+    train_bytes, val_bytes = _joined_length(train_docs), _joined_length(val_docs)
+    if train_bytes < 2 or val_bytes < 2:
         raise ValueError(f"{name} holds only {total} bytes of text, too few to split; pass a larger corpus.")
+    sha256 = hashlib.sha256(DOC_SEPARATOR.join(docs)).hexdigest()
+    encoded = encode_corpus(spec, train_docs, val_docs, sha256, DOC_SEPARATOR)
 
     capped = f", capped at {max_bytes / 2**20:.1f} MiB" if total == max_bytes else ""
-    return Corpus(
-        train=_to_tensor(train),
-        val=_to_tensor(val),
-        source=f"{name}, {len(docs)} of {len(files)} files, {total / 2**20:.2f} MiB{capped}",
-        sha256=hashlib.sha256(joined).hexdigest(),
+    counted = (
+        f"{len(docs)} of {len(files)} files"
+        if not any(holds_records(f) for f in files)
+        else (f"{len(docs)} documents from {len(set(f for f, _ in read))} of {len(files)} sources")
     )
+    held_out = _held_out_rule(len(docs), val_fraction)
+    return Corpus(
+        train=_to_tensor(encoded.train),
+        val=_to_tensor(encoded.val),
+        source=f"{name}, {counted}, {total / 2**20:.2f} MiB{capped}; held out: {held_out}",
+        sha256=sha256,
+        train_bytes=train_bytes,
+        val_bytes=val_bytes,
+        vocab_size=encoded.vocab_size,
+        tokenizer=encoded.description,
+        tokenizer_sha256=encoded.sha256,
+    )
+
+
+def _joined_length(docs: list[bytes]) -> int:
+    return sum(map(len, docs)) + len(DOC_SEPARATOR) * max(0, len(docs) - 1)
 
 
 def _min_single_file_bytes(seq_len: int, n_replicas: int, val_fraction: float) -> int:
@@ -185,7 +224,14 @@ def _examples(paths: list[Path], root: Path, n: int = 3) -> str:
     return shown + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
-def check_data(path: str | None, seq_len: int, n_replicas: int, data_shift: int = 0) -> None:
+def check_data(
+    path: str | None,
+    seq_len: int,
+    n_replicas: int,
+    data_shift: int = 0,
+    tokenizer: str = BYTES,
+    text_field: str = TEXT_FIELD,
+) -> None:
     """Refuse, before anything starts, data the workers' load_corpus, replica_batches or validation_batches would
     refuse; raises ValueError with one sentence naming the fix.
 
@@ -194,7 +240,10 @@ def check_data(path: str | None, seq_len: int, n_replicas: int, data_shift: int 
     n_replicas training shards and the val split hold one window of seq_len + 1 bytes (byte-level tokens, so
     bytes are tokens; batches and evaluation windows are drawn from those, overlapping, so their number needs
     no more). With data_shift > 0, each of a shard's SHIFT_SEGMENTS segments must hold such a window.
+    A tokenizer other than bytes makes fewer tokens than bytes, so after the byte checks the corpus is encoded
+    (trained and encoded once, then cached for the workers: trainers/tokenizer.py) and the windows checked in tokens.
     """
+    parse_tokenizer(tokenizer)
     if seq_len < 1 or n_replicas < 1:
         raise ValueError(f"seq_len and n_replicas must be at least 1, got {seq_len} and {n_replicas}")
     if path is None:
@@ -202,14 +251,14 @@ def check_data(path: str | None, seq_len: int, n_replicas: int, data_shift: int 
         name = "the default corpus (this Python's standard library)"
     else:
         root, name = _check_data_path(path)
-        files = _user_files(root)
+        files = source_files(root)
         if not files:
             raise ValueError(
                 f"{name} holds no files (every file in it and its subfolders is read, whatever its extension, "
                 "but hidden ones such as .git); add text files or pass another --data"
             )
     try:
-        read, binary = _read_documents(files, MAX_BYTES)
+        read, binary = _read_documents(files, MAX_BYTES, text_field)
     except OSError as err:
         what = err.filename or name
         where = f" in {name}" if path is not None and what != str(root) else ""
@@ -229,12 +278,15 @@ def check_data(path: str | None, seq_len: int, n_replicas: int, data_shift: int 
         raise ValueError(f"{name} holds no text: {what}; add UTF-8 text files (any extension) or pass another --data")
 
     docs = [data for _, data in read]
-    _, train, val = _split(docs, VAL_FRACTION)
+    train_docs, val_docs = _split(docs, VAL_FRACTION)
+    train, val = _joined_length(train_docs), _joined_length(val_docs)
     need = seq_len + 1
-    shard = min(stop - start for start, stop in (_shard_bounds(len(train), r, n_replicas) for r in range(n_replicas)))
-    if shard >= need and len(val) >= need:
+    shard = min(stop - start for start, stop in (_shard_bounds(train, r, n_replicas) for r in range(n_replicas)))
+    if shard >= need and val >= need:
         if data_shift > 0:
-            _check_shift_segments(name, len(train), seq_len, n_replicas)
+            _check_shift_segments(name, train, seq_len, n_replicas)
+        if tokenizer != BYTES:
+            _check_tokens(path, name, seq_len, n_replicas, data_shift, tokenizer, text_field)
         return
     shorter = "a shorter --seq-len or fewer --clusters" if n_replicas > 1 else "a shorter --seq-len"
     total = sum(map(len, docs))
@@ -249,15 +301,33 @@ def check_data(path: str | None, seq_len: int, n_replicas: int, data_shift: int 
         )
     if shard < need:
         raise ValueError(
-            f"{name}'s training split ({len(train):,} bytes) gives each of {n_replicas} clusters {shard:,} bytes, "
+            f"{name}'s training split ({train:,} bytes) gives each of {n_replicas} clusters {shard:,} bytes, "
             f"fewer than seq_len + 1 = {need:,}; add text, or pass {shorter}"
         )
     held = [f for (f, _), v in zip(read, _held_out(len(docs), VAL_FRACTION), strict=True) if v]
     every = round(1 / VAL_FRACTION)
     raise ValueError(
-        f"{name}'s held-out split ({_examples(held, root)}: {len(val):,} bytes) is shorter than the seq_len + 1 = "
+        f"{name}'s held-out split ({_examples(held, root)}: {val:,} bytes) is shorter than the seq_len + 1 = "
         f"{need:,} that evaluation reads; add text to it or more files (every {every}th file is held out, or the "
         "last one when there are fewer), or pass a shorter --seq-len"
+    )
+
+
+def _check_tokens(
+    path: str | None, name: str, seq_len: int, n_replicas: int, data_shift: int, tokenizer: str, text_field: str
+) -> None:
+    """The byte checks again in tokens, on the corpus as the workers will load it (encoded once, then cached)."""
+    corpus = load_corpus(path, tokenizer=tokenizer, text_field=text_field)
+    need = seq_len + 1
+    bounds = [_shard_bounds(len(corpus.train), r, n_replicas) for r in range(n_replicas)]
+    shard = min((_shortest_segment(stop - start) if data_shift else stop - start) for start, stop in bounds)
+    if shard >= need and len(corpus.val) >= need:
+        return
+    part = "segment of a training shard" if data_shift else "training shard"
+    raise ValueError(
+        f"with --tokenizer {tokenizer}, {name} encodes to {len(corpus.train):,} training and {len(corpus.val):,} "
+        f"held-out tokens, leaving the shortest {part} {shard:,}, and a window needs seq_len + 1 = {need:,}; "
+        "add text or pass a shorter --seq-len"
     )
 
 

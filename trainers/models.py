@@ -6,15 +6,24 @@ qwen: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, bias only 
 The model is split into `embed`, `blocks` and `head` so that pipeline stages can be cut as
 [embed, blocks[:k]] ... [blocks[k:], head]: every part maps hidden states to hidden states on its own,
 which is why rotary angles are recomputed inside each attention layer rather than cached in the parent.
+
+`--model` may also name a local transformers config (trainers/hf_models.py): the functions below take either
+kind of config, so the trainers, the pipeline and the projections never ask which it is.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from trainers.hf_models import HFDecoder, HFModelConfig
 
 OPT_POSITION_OFFSET = 2  # OPT reserves the first two rows of its position table (a fairseq legacy)
 ROPE_THETA = 1_000_000.0  # Qwen1.5's rope_theta
@@ -45,6 +54,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def splittable(self) -> bool:
+        """Whether pipeline stages can cut it at block boundaries: always, for the harness's own models."""
+        return True
+
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     cfg.name: cfg
@@ -62,14 +76,43 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 }
 
 
-def get_model_config(name: str) -> ModelConfig:
-    if name not in MODEL_CONFIGS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODEL_CONFIGS)}")
-    return MODEL_CONFIGS[name]
+def get_model_config(name: str) -> ModelConfig | HFModelConfig:
+    """A built-in model by name, or the transformers config at a local path."""
+    from trainers import hf_models
+
+    if name in MODEL_CONFIGS:
+        return MODEL_CONFIGS[name]
+    if hf_models.is_config_path(name):
+        return hf_models.load_config(name)
+    raise ValueError(
+        f"unknown model {name!r}; known: {', '.join(MODEL_CONFIGS)}, or a local directory with a transformers "
+        f"config.json"
+    )
 
 
-def count_parameters(cfg: ModelConfig) -> int:
-    """Parameter count from the shape alone (tied weights once); equals sum(p.numel()) of DecoderLM(cfg)."""
+def with_vocab(cfg: ModelConfig | HFModelConfig, tokenizer_vocab_size: int) -> ModelConfig | HFModelConfig:
+    """The model for a tokenizer: a built-in one takes its vocabulary; a transformers one keeps its own, which
+    must hold the tokenizer's ids."""
+    if isinstance(cfg, ModelConfig):
+        return dataclasses.replace(cfg, vocab_size=tokenizer_vocab_size)
+    from trainers.hf_models import check_vocab
+
+    check_vocab(cfg, tokenizer_vocab_size)
+    return cfg
+
+
+def build_model(cfg: ModelConfig | HFModelConfig) -> DecoderLM | HFDecoder:
+    if isinstance(cfg, ModelConfig):
+        return DecoderLM(cfg)
+    from trainers.hf_models import build
+
+    return build(cfg)
+
+
+def count_parameters(cfg: ModelConfig | HFModelConfig) -> int:
+    """Parameter count from the shape alone (tied weights once); equals sum(p.numel()) of build_model(cfg)."""
+    if not isinstance(cfg, ModelConfig):
+        return sum(shape.numel() for shape in parameter_shapes(cfg))
     d, ff = cfg.d_model, cfg.d_ff
     q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     qkv = d * q + q + 2 * (d * kv + kv)
@@ -221,7 +264,10 @@ class DecoderLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def parameter_shapes(cfg: ModelConfig) -> tuple[torch.Size, ...]:
+def parameter_shapes(cfg: ModelConfig | HFModelConfig) -> tuple[torch.Size, ...]:
     """The model's parameter shapes, built on the meta device: no memory, so the 107B shape works too."""
+    from trainers import hf_models
+
     with torch.device("meta"):
-        return tuple(p.shape for p in DecoderLM(cfg).parameters())
+        model = DecoderLM(cfg) if isinstance(cfg, ModelConfig) else hf_models.build(cfg, load_weights=False)
+        return tuple(p.shape for p in model.parameters())

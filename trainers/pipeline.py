@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,12 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from trainers.models import DecoderLM, Embedding, Head, ModelConfig
+from trainers.models import DecoderLM, ModelConfig
+
+if TYPE_CHECKING:
+    from trainers.hf_models import HFDecoder, HFModelConfig
+
+    LanguageModel = DecoderLM | HFDecoder
 
 ScheduleName = Literal["gpipe", "1f1b"]
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -47,7 +52,7 @@ class WholeModel(Stage):
     is_first = True
     is_last = True
 
-    def __init__(self, model: DecoderLM):
+    def __init__(self, model: LanguageModel):
         self.module = model
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -75,13 +80,18 @@ def split_points(n_layers: int, stages: int) -> list[int]:
     return points
 
 
-def _check_cut(cfg: ModelConfig, stages: int) -> None:
+def _check_cut(cfg: ModelConfig | HFModelConfig, stages: int) -> None:
     """The checks on cutting a model into `stages` parts that need no batch shape."""
     if stages < 1:
         raise ValueError(f"--stages must be at least 1, got {stages}")
     if stages > cfg.n_layers:
         raise ValueError(
             f"--stages {stages} exceeds the {cfg.n_layers} layers of model {cfg.name!r}; use at most {cfg.n_layers}"
+        )
+    if stages > 1 and not cfg.splittable:
+        raise ValueError(
+            f"model {cfg.name!r} is a {cfg.model_type} model, and pipeline stages cut only opt, llama, qwen2, qwen3 "
+            f"and mistral models at decoder-layer boundaries; use --stages 1"
         )
     if stages > 1 and cfg.tie_embeddings:
         raise ValueError(
@@ -90,7 +100,7 @@ def _check_cut(cfg: ModelConfig, stages: int) -> None:
         )
 
 
-def validate_pipeline(model_cfg: ModelConfig, stages: int, microbatches: int, batch_size: int) -> None:
+def validate_pipeline(model_cfg: ModelConfig | HFModelConfig, stages: int, microbatches: int, batch_size: int) -> None:
     """Reject a pipeline layout before any process starts; micro-batches only matter when stages > 1."""
     _check_cut(model_cfg, stages)
     if stages == 1:
@@ -108,19 +118,19 @@ def validate_pipeline(model_cfg: ModelConfig, stages: int, microbatches: int, ba
 
 
 class StageModule(nn.Module):
-    """Blocks [start, stop) of a DecoderLM, with its embedding on the first stage and its head on the last.
+    """Blocks [start, stop) of a model, with its embedding on the first stage and its head on the last.
 
-    Parameters keep the names they have in DecoderLM ("embed.tokens.weight", "blocks.2.attn.q.weight",
+    Parameters keep the names they have in the whole model ("embed.tokens.weight", "blocks.2.attn.q.weight",
     "head.proj.weight"), so logs, checkpoints and the same stage on other clusters agree on what each tensor
     is.
     """
 
-    def __init__(self, model: DecoderLM, start: int, stop: int, first: bool, last: bool):
+    def __init__(self, model: LanguageModel, start: int, stop: int, first: bool, last: bool):
         super().__init__()
-        self.embed: Embedding | None = model.embed if first else None
+        self.embed: nn.Module | None = model.embed if first else None
         # A ModuleDict keyed by the original index: a ModuleList would renumber the blocks from 0.
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
-        self.head: Head | None = model.head if last else None
+        self.head: nn.Module | None = model.head if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
@@ -150,7 +160,7 @@ class PipelinedStage(Stage):
 
     def __init__(
         self,
-        model: DecoderLM,
+        model: LanguageModel,
         stage_index: int,
         stages: int,
         group: dist.ProcessGroup,
@@ -209,7 +219,7 @@ class PipelinedStage(Stage):
 
 
 def build_stage(
-    model: DecoderLM,
+    model: LanguageModel,
     stage_index: int,
     stages: int,
     group: dist.ProcessGroup | None,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from trainers.config import TrainConfig
 from trainers.data import data_phase, load_corpus, replica_batches, validation_batches
 from trainers.method import MethodContext
-from trainers.models import DecoderLM, count_parameters, get_model_config
+from trainers.models import build_model, count_parameters
 from trainers.pipeline import build_stage
 from trainers.registry import build_method
 
@@ -47,18 +47,19 @@ class _Setup:
     batches: Any
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     tokens_per_step: int
+    bits_per_byte: Callable[[float], float]  # a held-out loss per token in bits per byte of text
 
 
 def _set_up(cfg: TrainConfig, method_name: str, method_config: Any, par: ParallelContext, log: EventLog) -> _Setup:
-    model_cfg = get_model_config(cfg.model)
+    corpus = load_corpus(cfg.data, tokenizer=cfg.tokenizer, text_field=cfg.data_field)
+    model_cfg = cfg.model_config()
     seq_len = cfg.seq_len or model_cfg.max_seq_len
     # The same seed on every rank gives every replica identical initial weights without a broadcast.
     torch.manual_seed(cfg.seed)
-    model = DecoderLM(model_cfg).to(par.device)
+    model = build_model(model_cfg).to(par.device)
     stage = build_stage(
         model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages, cfg.pipeline_schedule
     )
-    corpus = load_corpus(cfg.data)
     # One batch per step, so the stream counts steps: with data_shift it moves to another segment every N batches.
     batches = replica_batches(
         corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed, data_shift=cfg.data_shift
@@ -86,10 +87,14 @@ def _set_up(cfg: TrainConfig, method_name: str, method_config: Any, par: Paralle
             "tokens_per_step": tokens_per_step,
             "corpus": corpus.source,
             "corpus_sha256": corpus.sha256,
+            "tokenizer": corpus.tokenizer,
+            "tokenizer_sha256": corpus.tokenizer_sha256,
+            "vocab_size": corpus.vocab_size,
+            "val_tokens_per_byte": corpus.val_tokens_per_byte,
             "device": str(par.device),
         }
     )
-    return _Setup(stage, method, batches, val_batches, tokens_per_step)
+    return _Setup(stage, method, batches, val_batches, tokens_per_step, corpus.bits_per_byte)
 
 
 class _Evaluator:
@@ -112,6 +117,7 @@ class _Evaluator:
                 "step": step,
                 "tokens": step * self.setup.tokens_per_step,
                 "val_loss": self.val_loss,
+                "val_bpb": self.setup.bits_per_byte(self.val_loss),
                 "eval_s": eval_s,
             }
         )
@@ -177,6 +183,7 @@ def train(
     wire_bytes = read_wire_bytes() - wire_start if read_wire_bytes else None
     window_s = window_end - window_start - (evaluate.total_s - eval_s_at_window_start)
     result = _result(cfg, method, losses, evaluate.val_loss, window_s, tokens_per_step, wire_bytes)
+    result["final_val_bpb"] = setup.bits_per_byte(evaluate.val_loss)
     log({"kind": "end", **result})
     return result
 

@@ -56,7 +56,7 @@ class Cadence:
         # Imported here: building the model's shapes loads torch, which reading a finished comparison does not need.
         from harness.analysis.project import parameter_shapes
 
-        plan = config.method_config.sync_plan(parameter_shapes(config.train.model))
+        plan = config.method_config.sync_plan(parameter_shapes(config.train))
         every = plan.every_steps if plan else 1
         first = plan.warmup_steps if plan else 0
         slow_start = every if plan and plan.slow_start else 0

@@ -50,6 +50,7 @@ from harness.run.folder import RunPaths, find_run_dirs, read_events, read_summar
 from harness.units import format_rate
 from trainers import models
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
+from trainers.config import TrainConfig
 from trainers.method import Exchange, SyncPlan
 from trainers.models import count_parameters, get_model_config
 from trainers.registry import resolved_options
@@ -194,15 +195,15 @@ class Schedule:
 
 
 @functools.cache
-def parameter_shapes(model: str) -> tuple[torch.Size, ...]:
-    """The model's parameter shapes (trainers.models.parameter_shapes). Cached: the gate predicts every run it reads,
-    and building even the meta model takes a tenth of a second."""
-    return models.parameter_shapes(get_model_config(model))
+def parameter_shapes(train: TrainConfig) -> tuple[torch.Size, ...]:
+    """The shapes of the model a run trains (trainers.models.parameter_shapes; its vocabulary follows the tokenizer).
+    Cached: the gate predicts every run it reads, and building even the meta model takes a tenth of a second."""
+    return models.parameter_shapes(train.model_config())
 
 
 def schedule(config: RunConfig, link: LinkModel) -> Schedule:
     """The schedule the run's method declares (module doc, (c)), in time on `link`."""
-    plan = config.method_config.sync_plan(parameter_shapes(config.train.model))
+    plan = config.method_config.sync_plan(parameter_shapes(config.train))
     if plan is None:
         raise ProjectionError(
             f"harness project models methods that declare their exchanges across sites (their config's sync_plan), "

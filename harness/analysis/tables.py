@@ -54,7 +54,8 @@ _SUMMARY_SCALARS = (
     "param_count", "seed", "steps", "tokens", "trained_tokens", "applied_tokens", "throughput_warmup_steps", "wall_s",
     "tokens_per_s", "trained_tokens_per_s", "wire_bytes", "wire_bytes_per_token", "payload_bytes", "sync_count",
     "comm_blocked_s", "comm_overlapped_s", "overlap_hidden_fraction", "final_train_loss", "final_val_loss",
-    "initial_val_loss", "link_busbw_bps", "regime_target_r", "link_max_excess", "link_conforms", "link_emulator",
+    "initial_val_loss", "final_val_bpb", "tokenizer",
+    "link_busbw_bps", "regime_target_r", "link_max_excess", "link_conforms", "link_emulator",
     "link_rtt_ms", "link_rtt_target_ms", "link_loss_measured", "link_loss_target", "link_check_ok",
     "link_trace_error", "link_trace_windows",
 )  # fmt: skip

@@ -101,7 +101,11 @@ def train_options(command):
     """The training settings every method shares; unset ones keep TrainConfig's defaults. Method options are
     added by `WithMethodOptions`."""
     flags = [
-        click.option("--model", help=f"tiny, small, tiny-qwen, opt-125m, ... [default: {TrainConfig.model}]."),
+        click.option(
+            "--model",
+            help="tiny, small, tiny-qwen, opt-125m, ..., or a local transformers config (a folder with config.json, "
+            f"or a JSON file) [default: {TrainConfig.model}].",
+        ),
         click.option("--steps", type=int, help=f"Training steps [default: {TrainConfig.steps}]."),
         click.option(
             "--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}]."
@@ -121,7 +125,20 @@ def train_options(command):
             help=f"[default: {TrainConfig.pipeline_schedule}].",
         ),
         click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}]."),
-        click.option("--data", type=click.Path(), help="Text file or folder to train on [default: Python's stdlib]."),
+        click.option(
+            "--data",
+            type=click.Path(),
+            help="Text, JSONL or parquet file, a folder of them, or a saved datasets folder [default: the stdlib].",
+        ),
+        click.option(
+            "--data-field",
+            help=f"Field with the text of a JSONL/parquet/datasets record [default: {TrainConfig.data_field}].",
+        ),
+        click.option(
+            "--tokenizer",
+            help="bytes, bpe:N (a byte-level BPE of N tokens trained on the corpus, cached) or a local tokenizer.json "
+            f"[default: {TrainConfig.tokenizer}].",
+        ),
         click.option(
             "--data-shift",
             type=int,

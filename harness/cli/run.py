@@ -342,6 +342,8 @@ def _loss_line(summary: dict[str, Any]) -> str:
         parts.append(f"train {summary['final_train_loss']:.3f}")
     if summary.get("final_val_loss") is not None:
         parts.append(f"val {summary['initial_val_loss']:.3f} -> {summary['final_val_loss']:.3f}")
+    if summary.get("final_val_bpb") is not None:
+        parts.append(f"{summary['final_val_bpb']:.3f} bits/byte")
     return ", ".join(parts) or "-"
 
 

@@ -131,9 +131,9 @@ class RunConfig:
             self.train.validate()
             # Imported here: the model and method registries load torch, which commands that only read
             # profiles or results do not need.
-            from trainers.models import get_model_config, parameter_shapes
+            from trainers.models import parameter_shapes
 
-            model_cfg = get_model_config(self.train.model)
+            model_cfg = self.train.model_config()
             if self.train.seq_len > model_cfg.max_seq_len:
                 raise ValueError(
                     f"--seq-len {self.train.seq_len} exceeds model {model_cfg.name!r}'s "
@@ -159,7 +159,14 @@ class RunConfig:
 
             try:
                 seq_len = self.train.seq_len or model_cfg.max_seq_len
-                check_data(self.train.data, seq_len, self.clusters, data_shift=self.train.data_shift)
+                check_data(
+                    self.train.data,
+                    seq_len,
+                    self.clusters,
+                    data_shift=self.train.data_shift,
+                    tokenizer=self.train.tokenizer,
+                    text_field=self.train.data_field,
+                )
             except ValueError as err:
                 raise UserError(str(err)) from None
 

@@ -23,7 +23,7 @@ from harness.net.trace import max_rate_bps
 from harness.run.config import RunConfig
 from harness.run.folder import RunPaths, UnreadableResults, read_events, read_link_trace, read_rank_result
 from harness.run.linktrace import summarize_link_trace
-from trainers.models import count_parameters, get_model_config
+from trainers.models import count_parameters
 
 SUMMARY_SCHEMA = 1
 
@@ -151,7 +151,8 @@ def _identity(config: RunConfig, status: str, failure: str | None) -> dict[str, 
         "clusters": config.clusters,
         "stages": config.stages,
         "model": config.train.model,
-        "param_count": count_parameters(get_model_config(config.train.model)),
+        "tokenizer": config.train.tokenizer,
+        "param_count": count_parameters(config.train.model_config()),
         "seed": config.train.seed,
     }
 
@@ -285,6 +286,8 @@ def _outcome(records: _Records) -> dict[str, Any]:
         "final_train_loss": sum(train_losses) / len(train_losses) if train_losses else None,
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "initial_val_loss": evals[0]["val_loss"] if evals else None,
+        # Per byte of text, not per token: runs with different tokenizers compare (absent from older runs).
+        "final_val_bpb": evals[-1].get("val_bpb") if evals else None,
         "optimizer_state_bytes_per_rank": [
             records.ranks[r].get("optimizer_state_bytes") for r in sorted(records.ranks)
         ],

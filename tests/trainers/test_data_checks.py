@@ -8,12 +8,12 @@ import pytest
 from trainers.data import (
     MAX_BYTES,
     _min_single_file_bytes,
-    _read_text,
     check_data,
     load_corpus,
     replica_batches,
     validation_batches,
 )
+from trainers.documents import read_text
 
 
 def loads(path, seq_len: int, replicas: int) -> bool:
@@ -75,8 +75,8 @@ def test_only_the_bytes_used_are_read_and_decoded(tmp_path):
     path = tmp_path / "big.txt"
     # UTF-8 text up to the budget, then a multi-byte character cut by it, then bytes that are not UTF-8 at all.
     path.write_bytes(b"a" * 9 + "é".encode() + b"\xff" * 10)
-    assert _read_text(path, 10) == b"a" * 9 + b"\xc3"
-    assert _read_text(path, 100) is None
+    assert read_text(path, 10) == b"a" * 9 + b"\xc3"
+    assert read_text(path, 100) is None
 
 
 def test_a_large_file_costs_no_more_than_the_budget(tmp_path):

@@ -15,6 +15,7 @@ from harness.cli import main
 from harness.net.profiles import load_profile
 from harness.run.config import RunConfig
 from tests.harness.fakeruns import write_run
+from trainers.config import TrainConfig
 
 LINK_100M_160MS = LinkModel(100e6, 0.160, efficiency=0.94, window_bytes=4 << 20)
 
@@ -59,7 +60,7 @@ def test_the_reduce_exchange_pays_both_all_reduces_one_after_the_other():
     link = LINK_100M_160MS
     for n in (2, 8, 20):
         reduce = schedule("dilocox", {"exchange": "reduce"}, "tiny", n, link)
-        shapes = project.parameter_shapes("tiny")
+        shapes = project.parameter_shapes(TrainConfig(model="tiny"))
         plan = RunConfig.build("dilocox", "unshaped", exchange="reduce").method_config.sync_plan(shapes)
         first, second = (link.allreduce_s(e.nbytes, n) for e in plan.exchanges)
         assert reduce.exchange_s == pytest.approx(first + second)

@@ -9,6 +9,7 @@ instead of building a cluster.
 from __future__ import annotations
 
 import errno
+import json
 import math
 import os
 import re
@@ -37,6 +38,24 @@ from trainers.config import OptimConfig, TrainConfig
 from trainers.registry import method_options
 
 SEQ_LEN = 64  # passed explicitly, so data sizes below do not depend on the default model's context
+# Transformers configs as config.json holds them, narrow so that validating them (which builds the model on the meta
+# device) stays fast.
+GPT2_CONFIG = json.dumps(
+    {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 128, "vocab_size": 512}
+)
+OPT_TIED_CONFIG = json.dumps(
+    {
+        "model_type": "opt",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "ffn_dim": 128,
+        "num_attention_heads": 4,
+        "word_embed_proj_dim": 64,
+        "max_position_embeddings": 128,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    }
+)
 
 
 @dataclass
@@ -174,6 +193,75 @@ CASES = [
         ["cannot write results under /proc (it ", "pass a writable --out"],
         absent=["No such file"],
     ),
+    # --- your own data, tokenizer and model -------------------------------------------------------------------
+    Case(
+        "jsonl-without-the-text-field",
+        ["run", "--data", "{tmp}/d.jsonl"],
+        ["{tmp}/d.jsonl line 2 has no 'text' field (it has 'body')", "pass --data-field"],
+        files={"d.jsonl": '{"text": "a"}\n{"body": "b"}\n'},
+    ),
+    Case(
+        "jsonl-line-not-json",
+        ["run", "--data", "{tmp}/d.jsonl"],
+        ["{tmp}/d.jsonl line 1 is not JSON", "fix it or leave the file out"],
+        files={"d.jsonl": "not json\n"},
+    ),
+    Case(
+        "tokenizer-unknown",
+        ["run", "--tokenizer", "gpt2"],
+        ["--tokenizer gpt2 is not bytes, bpe:N or an existing tokenizer.json", "nothing is downloaded"],
+    ),
+    Case(
+        "tokenizer-bpe-too-small",
+        ["run", "--tokenizer", "bpe:100"],
+        ["bpe:N needs a vocabulary N of at least 258", "e.g. bpe:4096"],
+    ),
+    Case(
+        "tokenizer-file-not-a-tokenizer",
+        ["run", "--tokenizer", "{tmp}/tokenizer.json"],
+        ["is not a tokenizers JSON file", "pass a tokenizer.json"],
+        files={"tokenizer.json": "{}"},
+    ),
+    Case(
+        "model-missing-config",
+        ["run", "--model", "{tmp}/nomodel"],
+        ["is neither a built-in model nor a local path", "the harness never downloads", "pass a directory"],
+    ),
+    Case(
+        "model-folder-without-config",
+        ["run", "--model", "{tmp}/m"],
+        ["has no config.json", "save the transformers config into it"],
+        files={"m": None},
+    ),
+    Case(
+        "model-config-not-json",
+        ["run", "--model", "{tmp}/m/config.json"],
+        ["is not readable JSON", "fix or replace it"],
+        files={"m/config.json": "{not json"},
+    ),
+    Case(
+        "model-architecture-not-cut-by-stages",
+        ["run", "--model", "{tmp}/m", "--stages", "2", "--seq-len", str(SEQ_LEN)],
+        ["is a gpt2 model", "pipeline stages cut only opt, llama, qwen2", "use --stages 1"],
+        files={"m/config.json": GPT2_CONFIG},
+    ),
+    Case(
+        "model-tied-head-across-stages",
+        ["run", "--model", "{tmp}/m", "--stages", "2", "--seq-len", str(SEQ_LEN)],
+        ["ties its lm head to the token embedding", "use --stages 1 or a model with untied embeddings"],
+        files={"m/config.json": OPT_TIED_CONFIG},
+    ),
+    Case(
+        "tokenizer-larger-than-the-models-vocabulary",
+        ["run", "--model", "{tmp}/m", "--tokenizer", "bpe:1024", "--seq-len", str(SEQ_LEN)],
+        ["the tokenizer has 1024 tokens but model", "embeds 512", "vocab_size >= 1024"],
+        files={"m/config.json": GPT2_CONFIG},
+    ),
+    Case(
+        "model-hub-name",
+        ["run", "--model", "facebook/opt-125m"],
+        ["facebook/opt-125m", "local"],
+    ),
     # --- profiles -----------------------------------------------------------------------------------------------
     Case(
         "profile-is-a-folder",
@@ -200,6 +288,7 @@ CASES = [
 def prepare(case: Case, tmp_path: Path) -> list[str]:
     for name, content in case.files.items():
         path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         if content is None:
             path.mkdir(parents=True)
         elif isinstance(content, bytes):
