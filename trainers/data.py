@@ -266,16 +266,7 @@ def check_data(
             f"cannot read {what}{where} ({err.strerror}); make it readable or pass another --data"
         ) from None
     if not read:
-        if path is not None and root.is_file():
-            if binary:
-                raise ValueError(f"{name} is not UTF-8 text (it looks binary); pass a text file")
-            raise ValueError(f"{name} is empty; pass a file with text in it")
-        if binary:
-            what = f"{len(binary)} of its {len(files)} files are not UTF-8 text ({_examples(binary, root)})"
-            what += ", the rest empty" if len(binary) < len(files) else ""
-        else:
-            what = f"its {len(files)} files are empty"
-        raise ValueError(f"{name} holds no text: {what}; add UTF-8 text files (any extension) or pass another --data")
+        raise _no_text(name, root, files, binary, single_file=path is not None and root.is_file())
 
     docs = [data for _, data in read]
     train_docs, val_docs = _split(docs, VAL_FRACTION)
@@ -288,25 +279,47 @@ def check_data(
         if tokenizer != BYTES:
             _check_tokens(path, name, seq_len, n_replicas, data_shift, tokenizer, text_field)
         return
+    raise _too_short(name, root, read, seq_len, n_replicas, shard, train, val)
+
+
+def _no_text(name: str, root: Path, files: list[Path], binary: list[Path], single_file: bool) -> ValueError:
+    """The error for data that holds files but no UTF-8 text in them."""
+    if single_file:
+        if binary:
+            return ValueError(f"{name} is not UTF-8 text (it looks binary); pass a text file")
+        return ValueError(f"{name} is empty; pass a file with text in it")
+    if binary:
+        what = f"{len(binary)} of its {len(files)} files are not UTF-8 text ({_examples(binary, root)})"
+        what += ", the rest empty" if len(binary) < len(files) else ""
+    else:
+        what = f"its {len(files)} files are empty"
+    return ValueError(f"{name} holds no text: {what}; add UTF-8 text files (any extension) or pass another --data")
+
+
+def _too_short(
+    name: str, root: Path, read: list, seq_len: int, n_replicas: int, shard: int, train: int, val: int
+) -> ValueError:
+    """The error for text too short for this run: the whole of it, a training shard, or the held-out split."""
+    need = seq_len + 1
     shorter = "a shorter --seq-len or fewer --clusters" if n_replicas > 1 else "a shorter --seq-len"
-    total = sum(map(len, docs))
-    if len(docs) == 1:
+    total = sum(len(data) for _, data in read)
+    if len(read) == 1:
         least = _min_single_file_bytes(seq_len, n_replicas, VAL_FRACTION)
         more = f"at least {least:,} bytes of text" if least <= MAX_BYTES else "more text"
         shards = f"each of the {n_replicas} clusters' training shards" if n_replicas > 1 else "the training split"
-        raise ValueError(
+        return ValueError(
             f"{name} holds {total:,} byte{'s' if total != 1 else ''} of text, too few for this run, which needs "
             f"seq_len + 1 = {need:,} bytes in {shards} and in the held-out last {VAL_FRACTION:.0%}; "
             f"pass {more}, or {shorter}"
         )
     if shard < need:
-        raise ValueError(
+        return ValueError(
             f"{name}'s training split ({train:,} bytes) gives each of {n_replicas} clusters {shard:,} bytes, "
             f"fewer than seq_len + 1 = {need:,}; add text, or pass {shorter}"
         )
-    held = [f for (f, _), v in zip(read, _held_out(len(docs), VAL_FRACTION), strict=True) if v]
+    held = [f for (f, _), v in zip(read, _held_out(len(read), VAL_FRACTION), strict=True) if v]
     every = round(1 / VAL_FRACTION)
-    raise ValueError(
+    return ValueError(
         f"{name}'s held-out split ({_examples(held, root)}: {val:,} bytes) is shorter than the seq_len + 1 = "
         f"{need:,} that evaluation reads; add text to it or more files (every {every}th file is held out, or the "
         "last one when there are fewer), or pass a shorter --seq-len"
