@@ -30,7 +30,12 @@ results_argument = click.argument("results", nargs=-1, required=True, type=click
 @click.option(
     "--tables", type=click.Path(path_type=Path), help="Write the tidy runs.csv, events.csv and sites.csv here."
 )
-def report(results, target_loss, csv_path, parquet_path, tables):
+@click.option(
+    "--tensorboard",
+    type=click.Path(path_type=Path),
+    help="Write every run's scalars as TensorBoard event files here, a subfolder per run (tensorboard --logdir DIR).",
+)
+def report(results, target_loss, csv_path, parquet_path, tables, tensorboard):
     """Compare runs (run folders, sweep folders, or folders of them) as a markdown table per profile.
 
     Per method: n (runs aggregated), then each figure as its mean ± the 95% interval (n >= 3), its range (n = 2), or
@@ -43,6 +48,10 @@ def report(results, target_loss, csv_path, parquet_path, tables):
     from harness.analysis.report import markdown, write_csv, write_parquet, write_tables
     from harness.analysis.tables import load_runs
 
+    if tensorboard:
+        from harness.run.tensorboard import check_log_dir
+
+        check_log_dir(tensorboard)
     loaded = load_runs(list(results))
     compared = comparison(loaded, target_loss)
     written = []
@@ -52,6 +61,14 @@ def report(results, target_loss, csv_path, parquet_path, tables):
         written.append(write_parquet(compared, parquet_path))
     if tables:
         written += write_tables(loaded, tables)
+    if tensorboard:
+        from harness.run.folder import find_run_dirs
+        from harness.run.tensorboard import write_runs
+
+        # The runs the tables read: a folder they skipped as unreadable is named below, not written.
+        readable = set(loaded.runs["path"])
+        runs = [(run_dir, label) for run_dir, label in find_run_dirs(list(results)) if label in readable]
+        written.append(write_runs(runs, tensorboard))
     click.echo(markdown(compared, loaded.runs, site_comparison(loaded)))
     for path in written:
         print_text(f"wrote {path}")

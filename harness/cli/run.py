@@ -111,6 +111,12 @@ class _RunCommand(_RecordsSignals, WithMethodOptions):
 @stages_option()
 @out_option
 @click.option("--calibrate", is_flag=True, help="Measure the link's all-reduce busbw before training.")
+@click.option(
+    "--tensorboard",
+    is_flag=True,
+    help="Write loss, validation loss, tokens/s, link use and every exchange's figures as TensorBoard event files "
+    "in the run folder's tensorboard/ while it trains (needs the tensorboard package).",
+)
 @backend_option()
 @link_emulator_option()
 @click.option(

@@ -85,6 +85,9 @@ class RunConfig:
     link_emulator: Literal["auto", "netem", "userspace"] = "auto"
     # Faults to inject, as given: "KIND:STEP:ARG" (harness/run/faults.py).
     faults: tuple[str, ...] = ()
+    # Write the run's scalars as TensorBoard event files in <run folder>/tensorboard while it trains
+    # (harness/run/tensorboard.py).
+    tensorboard: bool = False
     # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
     # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
     collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
@@ -125,6 +128,10 @@ class RunConfig:
             link=self.profile.inter_cluster,
         )
         self._check_trace()
+        if self.tensorboard:
+            from harness.run.tensorboard import check_available
+
+            check_available()
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         try:
@@ -243,6 +250,7 @@ class RunConfig:
         calibrate: bool = False,
         link_emulator: Literal["auto", "netem", "userspace"] = "auto",
         faults: tuple[str, ...] = (),
+        tensorboard: bool = False,
         collective_timeout_s: float | None = None,
         **settings: Any,
     ) -> RunConfig:
@@ -271,6 +279,7 @@ class RunConfig:
             calibrate=calibrate,
             link_emulator=link_emulator,
             faults=tuple(faults),
+            tensorboard=tensorboard,
             **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
         )
 

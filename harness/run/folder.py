@@ -9,6 +9,7 @@
     events/faults.jsonl  the faults injected (harness/run/faults.py)
     ranks/rank<R>.json   rank R's own result, written when it finishes
     logs/rank<R>.log     rank R's output
+    tensorboard/         the run's scalars as TensorBoard event files, with --tensorboard (harness/run/tensorboard.py)
 
 The folder is built under a hidden staging name next to its final place and renamed into place at the end, so a
 results folder either holds a finished run (status "ok" or "failed") or does not exist.
@@ -103,6 +104,10 @@ class RunPaths:
     @property
     def logs_dir(self) -> Path:
         return self.root / "logs"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
 
     def events(self, rank: int) -> Path:
         return self.events_dir / f"rank{rank}.jsonl"

@@ -32,6 +32,7 @@ from harness.run.faults import FaultInjector
 from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, UnreadableResults, read_events
 from harness.run.linktrace import TraceReplay
 from harness.run.summary import environment, summarize
+from harness.run.tensorboard import LiveScalars
 from harness.units import format_rate
 
 MASTER_PORT = 29500
@@ -243,10 +244,13 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
     injector: FaultInjector | None = None
     replay: TraceReplay | None = None
     qdiscs: list[dict] = []
+    live: LiveScalars | None = None
     with _Signals() as signals:
         try:
             config.save(paths.config)
             paths.logs_dir.mkdir()
+            if config.tensorboard:
+                live = LiveScalars(run_dir, paths.tensorboard, config.to_dict())
             signals.check()
             cluster.up()
             signals.check()
@@ -275,7 +279,9 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
                 replay.start()
             injector = FaultInjector(config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), paths.faults)
             record["faults"] = injector.records
-            failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll)
+            failure = _watch(
+                procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll, live and live.poll
+            )
             killed = [r["rank"] for r in injector.records if r["fault"] == "kill"]
             if failure and killed:
                 failure += f" (--fault kill injected on rank {', '.join(map(str, killed))})"
@@ -296,7 +302,7 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
         finally:
             signals.tearing_down = True
             record["interrupted_by"] = signals.received[0] if signals.received else None
-            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector, replay)
+            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector, replay, live)
     summary["results_dir"] = str(final)
     return summary
 
@@ -311,6 +317,7 @@ def _teardown(
     qdiscs: list[dict],
     injector: FaultInjector | None = None,
     replay: TraceReplay | None = None,
+    live: LiveScalars | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
     teardown_errors = []
@@ -320,6 +327,9 @@ def _teardown(
     if replay is not None:
         # Before the cluster goes: the replay reads and re-rates its links.
         steps.insert(-1, ("stopping the trace replay", replay.stop))
+    if live is not None:
+        # After the workers: their last events are in the files by then.
+        steps.insert(1, ("writing the TensorBoard events", live.close))
     for what, step in steps:
         try:
             step()
@@ -378,10 +388,11 @@ def _watch(
     on_progress: Callable[[dict[str, Any]], None] | None,
     check_signals: Callable[[], None],
     inject_faults: Callable[[int], None] = lambda steps_done: None,
+    on_poll: Callable[[], None] | None = None,
 ) -> str | None:
     """Wait for every rank; a rank that fails fails the run (the others would hang in collectives), and so does a
     run that makes no progress (the watchdog) or whose cluster disappears. `inject_faults` gets rank 0's completed
-    steps at every poll (harness/run/faults.py)."""
+    steps at every poll (harness/run/faults.py); `on_poll` runs at every poll too (the live TensorBoard writer)."""
     tails = {rank: EventTail(RunPaths(run_dir).events(rank)) for rank in procs}
     last_event_at = dict.fromkeys(procs, time.monotonic())
     steps_logged = dict.fromkeys(procs, 0)
@@ -409,6 +420,8 @@ def _watch(
                 elif event["kind"] == "eval" and rank == topology.world_size - 1:
                     latest["val_loss"] = event["val_loss"]
         inject_faults(steps_logged[0])
+        if on_poll is not None:
+            on_poll()
         if now - last_intact_check >= INTACT_CHECK_S:
             last_intact_check = now
             gone = wire.cluster.vanished()

@@ -57,6 +57,9 @@ def test_a_transformers_model_trains_on_local_data_with_a_trained_bpe(own, model
     # The OPT runs read the parquet file, the Qwen2 runs the saved dataset (whose text is in "content").
     data = ["--data", own["parquet"]] if model == "opt-125m" else ["--data", own["dataset"], "--data-field", "content"]
     extra = ["--local-steps", 3] if method == "dilocox" else []
+    # One run also writes its scalars for TensorBoard as it trains.
+    tensorboard = model == "qwen2-0.5b" and stages == 2
+    extra += ["--tensorboard"] if tensorboard else []
     before = snapshot()
     out = tmp_path / "run"
     result = harness(
@@ -91,6 +94,29 @@ def test_a_transformers_model_trains_on_local_data_with_a_trained_bpe(own, model
     assert sorted(p.name for p in (out / "events").glob("rank*.jsonl")) == [f"rank{r}.jsonl" for r in range(2 * stages)]
     assert leftovers(before, run_marker(out)) == {}
     assert "bits/byte" in result.stdout
+    if tensorboard:
+        _check_tensorboard(out, summary, tmp_path / "report-tb")
+
+
+def _check_tensorboard(run: Path, summary: dict, report_dir: Path) -> None:
+    """The live writer's event files, read back with tensorboard's reader, hold the run's figures; `harness report
+    --tensorboard` writes the same from the finished folder."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+        acc = EventAccumulator(str(log_dir))
+        acc.Reload()
+        return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    live = scalars(run / "tensorboard")
+    assert [s for s, _ in live["train/loss"]] == list(range(5))
+    assert live["val/loss"][0] == (0, pytest.approx(summary["initial_val_loss"]))
+    assert live["val/loss"][-1] == (5, pytest.approx(summary["final_val_loss"]))
+    assert live["val/bits_per_byte"][-1][1] == pytest.approx(summary["final_val_bpb"], rel=1e-6)
+    assert {"train/tokens_per_s", "link/wire_bytes", "link/utilization", "sync/payload_bytes"} <= set(live)
+    result = harness("report", run, "--tensorboard", report_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert scalars(report_dir / run.name) == live
 
 
 def test_the_bpe_is_trained_once_and_cached_beside_the_corpus(own):
