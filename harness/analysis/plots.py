@@ -58,10 +58,12 @@ def _title(kind: str, group: pd.DataFrame) -> str:
 
 
 def _slug(key: tuple, keys: list[tuple]) -> str:
-    profile, model, clusters, stages, steps = key
+    profile, model, clusters, stages, steps, tokenizer = key
     slug = f"{profile}-{model}"
     if sum(1 for k in keys if k[:2] == key[:2]) > 1:
         slug += f"-c{clusters}s{stages}-{steps}steps"
+    if tokenizer != "bytes":
+        slug += f"-{tokenizer.replace(':', '')}"
     return slug
 
 

@@ -228,12 +228,14 @@ def markdown(table: pd.DataFrame, runs: pd.DataFrame, sites: pd.DataFrame | None
     `sites`, from site_comparison, has rows for it), then the failed runs."""
     parts = [LEGEND + "\n"]
     for key, group in table.groupby(GROUP_KEYS, sort=True, dropna=False):
-        profile, model, clusters, stages, steps = key
+        profile, model, clusters, stages, steps, tokenizer = key
         link = _link(group["link_rate_bps"].iloc[0])
         trained = any(_differs(a, b) for a, b in zip(group["tokens_per_s"], group["trained_tokens_per_s"], strict=True))
         target = not _nan(group["target_loss"].iloc[0])
         parts.append(
-            f"### {profile} ({link}) · model {model} · {clusters} clusters x {stages} stage(s) · {steps} steps\n\n"
+            f"### {profile} ({link}) · model {model} · {clusters} clusters x {stages} stage(s) · {steps} steps"
+            + ("" if tokenizer == "bytes" else f" · tokenizer {tokenizer}")
+            + "\n\n"
             + _target_line(group)
             + "\n"
         )

@@ -45,8 +45,9 @@ from harness.run.folder import (
     read_summary,
 )
 
-# What makes two runs comparable: everything but the method and the seed.
-GROUP_KEYS = ["profile", "model", "clusters", "stages", "steps"]
+# What makes two runs comparable: everything but the method and the seed. A loss per token compares only under one
+# tokenizer.
+GROUP_KEYS = ["profile", "model", "clusters", "stages", "steps", "tokenizer"]
 # finish: communication a method completed after its last step (its blocked time is inside that step's step_s).
 EVENT_KINDS = ("step", "eval", "finish")
 _SUMMARY_SCALARS = (
@@ -154,6 +155,8 @@ def _read_run(run_dir: Path, relative: str) -> _Run:
     summary = read_summary(run_dir)
     sites = [{"run_id": summary["run_id"], **site} for site in summary.get("per_cluster") or []]
     row = {key: summary.get(key) for key in _SUMMARY_SCALARS}
+    # Runs from before --tokenizer existed trained on bytes.
+    row["tokenizer"] = row["tokenizer"] or "bytes"
     options = run_options_in(run_dir, summary)
     row.update(
         variant=options.label, variant_key=options.key, options=json.dumps(options.resolved),

@@ -3,6 +3,7 @@ folders with known (made-up) numbers."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -240,3 +241,17 @@ def test_cli_reports_the_readable_runs_and_exits_1_naming_the_unreadable_one(swe
     assert "| allreduce" in out.stdout and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-1].startswith(f"skipped 1 unreadable run: {bad}: {why}")
     assert out.returncode == 1
+
+
+def test_runs_under_different_tokenizers_are_not_one_group(tmp_path):
+    """A loss per token compares only under one tokenizer; a run from before --tokenizer counts as bytes."""
+    write_run(tmp_path, "ar-bytes", "allreduce", val_losses=(5.5, 4.5, 4.0))
+    bpe = write_run(tmp_path, "ar-bpe", "allreduce", val_losses=(8.0, 7.0, 6.0))
+    summary = json.loads((bpe / "summary.json").read_text())
+    (bpe / "summary.json").write_text(json.dumps({**summary, "tokenizer": "bpe:4096"}))
+    tables = load_runs([tmp_path])
+    table = comparison(tables)
+    assert sorted(table["tokenizer"]) == ["bpe:4096", "bytes"]
+    assert list(table["final_val_loss_n"]) == [1, 1]
+    text = markdown(table, tables.runs)
+    assert text.count("### ") == 2 and "· 20 steps · tokenizer bpe:4096\n" in text and "· 20 steps\n" in text
