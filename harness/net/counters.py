@@ -16,6 +16,12 @@ def interface_counters(ip: IPRoute, ifname: str) -> tuple[int, int]:
     return stats["tx_bytes"], stats["rx_bytes"]
 
 
+def received_bytes(ip: IPRoute, indexes: list[int]) -> int:
+    """The rx_bytes of the interfaces with these indexes, summed: one netlink request per interface (filtering by
+    name dumps and decodes every interface of the namespace)."""
+    return sum(link.get_attr("IFLA_STATS64")["rx_bytes"] for link in ip.get_links(*indexes))
+
+
 class LinkCounter:
     """Bytes this namespace has sent on its uplink; read by the worker inside the cluster's namespace."""
 

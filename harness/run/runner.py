@@ -142,6 +142,8 @@ def resolve_link_emulator(config: RunConfig) -> str | None:
 STALL_STEP_FACTOR = 10
 # How often the watcher polls the ranks and their events, and how often it checks that the cluster is still there.
 POLL_S = 0.25
+# How often the progress display reads the wire counter: each read decodes netlink messages on cores that train.
+PROGRESS_S = 1.0
 INTACT_CHECK_S = 2.0
 # A worker the kernel has kept stopped (SIGSTOP, a debugger) this long fails the run at once: /proc shows it, and
 # no collective timeout would fire before the watchdog's (minutes). Longer than a profiler's brief attach.
@@ -435,7 +437,7 @@ def _watch(
         stall_s = max(config.collective_timeout_s, STALL_STEP_FACTOR * slowest_step_s)
         if now - max(last_event_at.values()) > stall_s:
             return _stalled(procs, topology, steps_logged, now - max(last_event_at.values()))
-        if on_progress is None:
+        if on_progress is None or now - last_t < PROGRESS_S:
             continue
         total = wire.read()
         rate = config.profile.inter_cluster.rate_bps
