@@ -414,7 +414,9 @@ def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict
     for _, summary, config in ok_runs(results):
         groups.setdefault((settings_key(summary, config), summary["profile"]), []).append((summary, config))
     rows = []
-    for (key, profile_name), runs in sorted(groups.items(), key=lambda kv: (kv[0][0][2], kv[0][1], kv[0][0][0])):
+    # model, profile, method, sites, options
+    in_order = sorted(groups.items(), key=lambda kv: (kv[0][0][2], kv[0][1], kv[0][0][0], kv[0][0][3], kv[0][0][1]))
+    for (key, profile_name), runs in in_order:
         if key not in computes:
             raise ProjectionError(
                 f"no compute measurement for {key[0]} {key[1]} on model {key[2]} ({key[3]} clusters, batch {key[4]}) "
@@ -436,6 +438,7 @@ def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict
                 "model": summary["model"],
                 "profile": profile_name,
                 "rtt_ms": 1000 * prediction.link.rtt_s,
+                "clusters": config.clusters,
                 "method": summary["method"],
                 "options": key[1],
                 "n": len(measured),

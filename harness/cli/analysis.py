@@ -162,14 +162,18 @@ def _print_validation(rows: list[dict], csv_path: Path | None, json_path: Path |
     from harness.analysis import project as project_model
     from harness.analysis.report import markdown_table
 
-    header = ["model", "profile", "method", "n", "measured tokens/s", "predicted", "error"]
+    # The options that tell the rows apart (an exchange, a rank), as KEY=VALUE.
+    options = [json.loads(r["options"]) if isinstance(r["options"], str) else dict(r["options"]) for r in rows]
+    varied = sorted({k for o in options for k in o if len({json.dumps(p.get(k)) for p in options}) > 1})
+    header = ["model", "profile", "sites", "method", "options", "n", "measured tokens/s", "predicted", "error"]
     cells = [
-        [r["model"], r["profile"], r["method"], str(r["n"]),
+        [r["model"], r["profile"], str(r["clusters"]), r["method"],
+         ", ".join(f"{k}={o.get(k)}" for k in varied) or "-", str(r["n"]),
          f"{r['measured_tokens_per_s']:,.0f} ({r['measured_min']:,.0f}-{r['measured_max']:,.0f})",
          f"{r['predicted_tokens_per_s']:,.0f}", f"{r['error']:+.1%}"]
-        for r in rows
+        for r, o in zip(rows, options, strict=True)
     ]  # fmt: skip
-    click.echo(markdown_table(header, cells, text_columns=3))
+    click.echo(markdown_table(header, cells, text_columns=5))
     worst = max(rows, key=lambda r: abs(r["error"]))
     within = sum(abs(r["error"]) <= project_model.VALIDATION_TOLERANCE for r in rows)
     click.echo(
