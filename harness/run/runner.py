@@ -266,16 +266,7 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
                     signals.check()
             qdiscs = cluster.kernel_qdiscs()
             wire = _WireMeter(cluster)
-            for rank in range(topology.world_size):
-                env = {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(topology.world_size),
-                    "MASTER_ADDR": topology.master_address,
-                    "MASTER_PORT": str(MASTER_PORT),
-                    "PYTHONUNBUFFERED": "1",
-                }
-                argv = [sys.executable, "-m", "harness.run.worker", "--run-dir", str(run_dir)]
-                procs[rank] = cluster.spawn(rank, argv, env, paths.log(rank))
+            _spawn_ranks(cluster, topology, paths, procs)
             if config.profile.trace is not None:
                 replay = TraceReplay(cluster, run_dir, emulator)
                 replay.start()
@@ -307,6 +298,20 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
             summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector, replay, live)
     summary["results_dir"] = str(final)
     return summary
+
+
+def _spawn_ranks(cluster: ClusterBackend, topology: Topology, paths: RunPaths, procs: dict[int, Worker]) -> None:
+    """One worker per rank, each added to `procs` as it starts (teardown stops those that did, if one fails)."""
+    for rank in range(topology.world_size):
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(topology.world_size),
+            "MASTER_ADDR": topology.master_address,
+            "MASTER_PORT": str(MASTER_PORT),
+            "PYTHONUNBUFFERED": "1",
+        }
+        argv = [sys.executable, "-m", "harness.run.worker", "--run-dir", str(paths.root)]
+        procs[rank] = cluster.spawn(rank, argv, env, paths.log(rank))
 
 
 def _teardown(
