@@ -163,7 +163,7 @@ def _print_validation(rows: list[dict], csv_path: Path | None, json_path: Path |
     from harness.analysis.report import markdown_table
 
     # The options that tell the rows apart (an exchange, a rank), as KEY=VALUE.
-    options = [json.loads(r["options"]) if isinstance(r["options"], str) else dict(r["options"]) for r in rows]
+    options = [json.loads(r["options"]) for r in rows]
     varied = sorted({k for o in options for k in o if len({json.dumps(p.get(k)) for p in options}) > 1})
     header = ["model", "profile", "sites", "method", "options", "n", "measured tokens/s", "predicted", "error"]
     cells = [

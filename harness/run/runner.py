@@ -272,9 +272,8 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
                 replay.start()
             injector = FaultInjector(config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), paths.faults)
             record["faults"] = injector.records
-            failure = _watch(
-                procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll, live and live.poll
-            )
+            on_poll = live.poll if live else None
+            failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll, on_poll)
             killed = [r["rank"] for r in injector.records if r["fault"] == "kill"]
             if failure and killed:
                 failure += f" (--fault kill injected on rank {', '.join(map(str, killed))})"

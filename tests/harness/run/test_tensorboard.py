@@ -52,7 +52,7 @@ def _events() -> dict[int, list[dict]]:
                 sync_overlapped_s=0.0,
                 sync_rank_r=64,
                 sync_cosine=None,
-            ),  # fmt: skip
+            ),
             {
                 "t": 1002.5,
                 "rank": 0,
@@ -61,7 +61,7 @@ def _events() -> dict[int, list[dict]]:
                 "sync_payload_bytes": 1000,
                 "sync_blocked_s": 0.1,
                 "sync_overlapped_s": 0.0,
-            },  # fmt: skip
+            },
         ],
         1: [
             {**start, "rank": 1},
