@@ -174,6 +174,8 @@ def evaluate(
     one_way = sorted(measured["one_way_ms"])
     return {
         "link_rtt_ms": rtt,
+        # The floor: a loaded host only makes an echo later, so the fastest one shows the delay the link was given.
+        "link_rtt_min_ms": min(rtts) if rtts else None,
         "link_rtt_target_ms": rtt_target_ms,
         "link_one_way_delay_p50_ms": one_way[len(one_way) // 2] if one_way else None,
         "link_one_way_delay_p99_ms": one_way[int(len(one_way) * 0.99)] if one_way else None,

@@ -66,10 +66,16 @@ def test_evaluate_judges_the_median_rtt_not_the_mean_nor_the_tail():
     assert fields["link_rtt_ms"] == 43.0 and fields["link_check_ok"] is False
 
 
+def test_the_floor_is_the_fastest_echo_whatever_the_tail():
+    rtts = [20.3, 20.1, 29.0, 31.5, 28.7]
+    fields = evaluate({"sent": 5, "server_received": 5, "rtt_ms": rtts, "one_way_ms": [10.0]}, 20.0, 0.0, 0.0)
+    assert fields["link_rtt_min_ms"] == 20.1 and fields["link_rtt_ms"] == 28.7
+
+
 def test_evaluate_without_any_echo_fails_and_reports_none():
     fields = evaluate({"sent": 100, "server_received": 0, "rtt_ms": [], "one_way_ms": []}, 40.0, 0.0, 0.0)
     assert fields["link_check_ok"] is False
-    assert fields["link_rtt_ms"] is None
+    assert fields["link_rtt_ms"] is None and fields["link_rtt_min_ms"] is None
     assert fields["link_one_way_delay_p50_ms"] is None and fields["link_one_way_delay_p99_ms"] is None
     assert fields["link_loss_measured"] == 1.0
 

@@ -52,12 +52,12 @@ def test_a_far_site_has_its_own_delay_on_the_delay_line(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
     assert summary["link_rtt_target_ms"] == pytest.approx(70)
-    # The verdict is the check's own on what it measured; the RTT within 15% (the far site's own 30 ms shows: without
-    # it the path is 20 ms): on 2 cores busy with the rest of the suite a fresh-clone CI run saw 76.8 ms.
+    # The verdict is the check's own on what it measured. The far site's own 30 ms shows in the floor (without it the
+    # path is 20 ms); the median is looser: on 2 cores busy with the rest of the suite a fresh-clone CI run saw 76.8 ms.
     from harness.net.linkprobe import RTT_TOLERANCE, RTT_TOLERANCE_MS
 
     rtt = summary["link_rtt_ms"]
     within = abs(rtt - 70.0) <= max(RTT_TOLERANCE * 70.0, RTT_TOLERANCE_MS)
     assert within or summary["link_check_ok"] is False, summary
-    assert rtt == pytest.approx(70, rel=0.15)
+    assert 69 < summary["link_rtt_min_ms"] < 75 and summary["link_rtt_min_ms"] <= rtt < 100
     assert leftovers(before, run_marker(out)) == {}

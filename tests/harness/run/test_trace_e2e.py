@@ -33,9 +33,11 @@ def test_a_replayed_trace_re_rates_the_link_and_records_how_closely_it_was_follo
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
     assert summary["status"] == "ok" and summary["link_emulator"] == "userspace"
-    # Before training the link is the trace's first row, and the link check measures it: RTT 2 x 10 ms (its own
-    # verdict is left out: on loaded cores the delay line runs a millisecond or two late, past its tolerance).
-    assert summary["link_rtt_target_ms"] == 20.0 and 19 < summary["link_rtt_ms"] < 25
+    # Before training the link is the trace's first row (RTT 2 x 10 ms, the second row's would be 40), and the link
+    # check measures it by its floor: on loaded cores the delay line runs late (a CI run's median was 29 ms), which
+    # only ever adds. The check's own verdict, on the median, is left out for that reason.
+    assert summary["link_rtt_target_ms"] == 20.0 and 19 < summary["link_rtt_min_ms"] < 25
+    assert summary["link_rtt_min_ms"] <= summary["link_rtt_ms"] < 40
     assert summary["link_trace_replay_error"] is None and summary["link_trace_t0"] is not None
     assert summary["link_trace_rate_changes"] == 2
     assert "link_trace_error" in summary and summary["link_trace_windows"] >= 0
