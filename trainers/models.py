@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
     from trainers.hf_models import HFDecoder, HFModelConfig
@@ -264,10 +265,21 @@ class DecoderLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class _NoNormalInit(TorchFunctionMode):
+    """Skips normal_ initialization: a meta tensor holds no values, and torch's meta normal_ is a Python
+    decomposition whose first call imports torch._dynamo (4 s of a loaded core, in the harness's every run)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.normal_ or func is nn.init.normal_:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def parameter_shapes(cfg: ModelConfig | HFModelConfig) -> tuple[torch.Size, ...]:
     """The model's parameter shapes, built on the meta device: no memory, so the 107B shape works too."""
     from trainers import hf_models
 
-    with torch.device("meta"):
+    with torch.device("meta"), _NoNormalInit():
         model = DecoderLM(cfg) if isinstance(cfg, ModelConfig) else hf_models.build(cfg, load_weights=False)
         return tuple(p.shape for p in model.parameters())

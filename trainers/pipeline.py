@@ -15,8 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from trainers.models import DecoderLM, ModelConfig
 
@@ -26,7 +24,7 @@ if TYPE_CHECKING:
     LanguageModel = DecoderLM | HFDecoder
 
 ScheduleName = Literal["gpipe", "1f1b"]
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
 
 class Stage(ABC):
@@ -184,8 +182,13 @@ class PipelinedStage(Stage):
         self.microbatches = microbatches
         self.device = next(model.parameters()).device
         self._last_rank = stages - 1  # a rank in `group`, where ranks are stage indices
+        # Imported here, not with the module: torch.distributed.pipelining pulls in torch._dynamo and DTensor, 3 s of
+        # every worker's start-up on these cores, which a run of one stage per cluster never uses.
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         pipeline_stage = PipelineStage(self.module, stage_index, stages, self.device, group=group)
-        self.schedule = SCHEDULES[schedule](
+        self.schedule = schedule_class(
             pipeline_stage, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False
         )
 

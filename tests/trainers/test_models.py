@@ -1,4 +1,6 @@
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -122,3 +124,16 @@ def test_a_few_adamw_steps_reduce_the_loss(name):
         loss.backward()
         opt.step()
     assert model(x, y).item() < first - 0.5
+
+
+def test_a_worker_and_the_shapes_of_every_model_start_without_torch_dynamo():
+    # torch._dynamo takes seconds to import; a one-stage worker never uses it, and neither do the meta-device shapes
+    # the harness validates every run with (torch's meta normal_ would import it: models._NoNormalInit).
+    code = (
+        "import sys, harness.run.worker\n"
+        "from trainers.models import MODEL_CONFIGS, parameter_shapes\n"
+        "for cfg in MODEL_CONFIGS.values(): parameter_shapes(cfg)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False", result.stderr
