@@ -131,7 +131,7 @@ def test_a_live_run_survives_cleanup_in_every_phase_and_finishes_ok(tmp_path, st
     """The issue's case: cleanup again and again from before the cluster exists until the run has ended."""
     out = tmp_path / "B"
     before = snapshot()
-    proc = start_run(out, "--profile", "10mbps", "--model", "tiny", "--batch-size", "4", "--steps", "16")
+    proc = start_run(out, "--profile", "10mbps", "--model", "tiny", "--batch-size", "4", "--steps", "8")
     key = staged_key(out, proc)
     assert owner_alive(key) is True, NOT_WIRED
     while_built = 0
