@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""DiLoCoX's two exchanges on final validation loss, paired per seed with the gather (`--exchange gather`).
+
+Reads one or more sweep folders of dilocox runs (variants labelled as `harness sweep` labels them: dilocox,
+dilocox@int8, ...) and prints one markdown table: per variant the options that differ from the gather's (for the
+gather: exchange, rank, H_1, adaptive; for a reduce: its wire too), n and seeds, final val loss (mean and 95%
+interval over seeds), its difference from the gather's run of the same seed in percent (mean and interval of the
+per-seed differences), wire bytes per token and rounds (syncs). Runs of the same variant and seed in two folders
+are refused: pass folders that do not overlap.
+
+    scripts/exchange-loss.py results/reference/exchange-loss-bf16-2000
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from harness.analysis.comparison import Spread, spread
+from harness.run.folder import find_run_dirs, read_config, read_summary
+
+COMPARED = ("exchange", "reduce_wire", "rank", "local_steps", "adaptive", "power_iterations")
+GATHER_SHOWN = ("exchange", "rank", "local_steps", "adaptive")  # the gather's own row: what the others differ from
+
+
+def variants(folders: list[Path]) -> dict[str, dict[int, tuple[dict, dict]]]:
+    """{variant label: {seed: (summary, method options)}} over the folders' ok dilocox runs."""
+    found: dict[str, dict[int, tuple[dict, dict]]] = {}
+    for run_dir, _ in find_run_dirs(folders):
+        summary = read_summary(run_dir)
+        if summary.get("status") != "ok" or summary["method"] != "dilocox":
+            continue
+        label = run_dir.name.split("-")[0]
+        seeds = found.setdefault(label, {})
+        if summary["seed"] in seeds:
+            raise SystemExit(
+                f"{run_dir}: a second {label} run of seed {summary['seed']}; pass folders that do not overlap"
+            )
+        seeds[summary["seed"]] = (summary, read_config(run_dir)["method_options"])
+    return found
+
+
+def shown(s: Spread, digits: int = 3, unit: str = "") -> str:
+    if s.n >= 3:
+        return f"{s.mean:.{digits}f}{unit} +- {(s.high - s.low) / 2:.{digits}f}{unit}"
+    return f"{s.mean:.{digits}f}{unit} (n={s.n})"
+
+
+def main(folders: list[Path]) -> None:
+    found = variants(folders)
+    gathers = [label for label, runs in found.items() if all(o["exchange"] == "gather" for _, o in runs.values())]
+    if len(gathers) != 1:
+        raise SystemExit(f"expected one gather variant to pair with, found {gathers or 'none'}")
+    gather = found[gathers[0]]
+    print("| variant | options | n | seeds | final val loss | vs gather (paired) | wire B/token | rounds |")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
+    for label in sorted(found, key=lambda label: (label != gathers[0], label)):
+        runs = found[label]
+        seeds = sorted(runs)
+        options, reference = runs[seeds[0]][1], next(iter(gather.values()))[1]
+        shown_keys = (
+            GATHER_SHOWN
+            if label == gathers[0]
+            else [k for k in COMPARED if options[k] != reference[k] or k == "reduce_wire"]
+        )
+        differ = ", ".join(f"{k}={options[k]}" for k in shown_keys)
+        losses = spread(runs[s][0]["final_val_loss"] for s in seeds)
+        paired = [s for s in seeds if s in gather]
+        versus = (
+            "-"
+            if label == gathers[0]
+            else shown(
+                spread(100 * (runs[s][0]["final_val_loss"] / gather[s][0]["final_val_loss"] - 1) for s in paired),
+                2,
+                "%",
+            )
+        )
+        wire = spread(runs[s][0]["wire_bytes_per_token"] for s in seeds).mean
+        rounds = spread(runs[s][0]["sync_count"] for s in seeds).mean
+        print(
+            f"| {label} | {differ} | {len(seeds)} | {','.join(map(str, seeds))} | {shown(losses)} | {versus} "
+            f"| {wire:.1f} | {rounds:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: scripts/exchange-loss.py SWEEP_FOLDER [SWEEP_FOLDER ...]")
+    main([Path(a) for a in sys.argv[1:]])

@@ -1,0 +1,39 @@
+"""scripts/exchange-loss.py recomputes, from the committed runs, the paired figures docs/studies.md prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "results" / "reference"
+
+
+def table(*folders: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "exchange-loss.py"), *(str(REFERENCE / f) for f in folders)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_the_committed_studies_give_the_documented_pairs():
+    result = table("exchange-loss-tiny-2000")
+    assert result.returncode == 0, result.stderr
+    assert "| dilocox | exchange=gather, rank=64, local_steps=50, adaptive=True | 3 | 3,4,5 | 1.517 +- 0.027 | - |" in (
+        result.stdout
+    )
+    assert "| exchange=reduce, reduce_wire=int8 | 3 | 3,4,5 | 1.606 +- 0.049 | 5.86% +- 1.34% | 7.2 | 23.7 |" in (
+        result.stdout
+    )
+    bf16 = table("exchange-loss-bf16-2000")
+    assert bf16.returncode == 0, bf16.stderr
+    assert bf16.stdout == (REFERENCE / "exchange-loss-bf16-2000" / "loss.md").read_text()
+
+
+def test_two_folders_holding_the_same_variant_and_seed_are_refused():
+    result = table("exchange-loss-tiny-2000", "exchange-loss-bf16-2000")
+    assert result.returncode != 0
+    assert "a second dilocox run of seed 3; pass folders that do not overlap" in result.stderr
