@@ -28,7 +28,7 @@ def test_a_replayed_trace_re_rates_the_link_and_records_how_closely_it_was_follo
     out = tmp_path / "run"
     result = harness(
         "run", "--profile", profile, "--method", "allreduce", "--model", "tiny", "--batch-size", 2,
-        "--seq-len", 64, "--steps", 6, "--eval-every", 100, "--out", out,
+        "--seq-len", 64, "--steps", 6, "--eval-every", 100, "--out", out, env={"COLUMNS": "300"},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
@@ -38,6 +38,7 @@ def test_a_replayed_trace_re_rates_the_link_and_records_how_closely_it_was_follo
     # only ever adds. The check's own verdict, on the median, is left out for that reason.
     assert summary["link_rtt_target_ms"] == 20.0 and 19 < summary["link_rtt_min_ms"] < 25
     assert summary["link_rtt_min_ms"] <= summary["link_rtt_ms"] < 40
+    assert f"ms median (fastest {summary['link_rtt_min_ms']:.2f}) vs 20 ms" in result.stdout, result.stdout
     assert summary["link_trace_replay_error"] is None and summary["link_trace_t0"] is not None
     assert summary["link_trace_rate_changes"] == 2
     assert "link_trace_error" in summary and summary["link_trace_windows"] >= 0
