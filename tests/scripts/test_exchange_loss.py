@@ -28,9 +28,10 @@ def test_the_committed_studies_give_the_documented_pairs():
     assert "| exchange=reduce, reduce_wire=int8 | 3 | 3,4,5 | 1.606 +- 0.049 | 5.86% +- 1.34% | 7.2 | 23.7 |" in (
         result.stdout
     )
-    bf16 = table("exchange-loss-bf16-2000")
-    assert bf16.returncode == 0, bf16.stderr
-    assert bf16.stdout == (REFERENCE / "exchange-loss-bf16-2000" / "loss.md").read_text()
+    for folder in ("exchange-loss-bf16-2000", "exchange-fixed-pair-2000"):
+        recomputed = table(folder)
+        assert recomputed.returncode == 0, recomputed.stderr
+        assert recomputed.stdout == (REFERENCE / folder / "loss.md").read_text()
 
 
 def test_two_folders_holding_the_same_variant_and_seed_are_refused():
