@@ -54,27 +54,20 @@ def main(folders: list[Path]) -> None:
     gather = found[gathers[0]]
     print("| variant | options | n | seeds | final val loss | vs gather (paired) | wire B/token | rounds |")
     print("|---|---|---:|---|---:|---:|---:|---:|")
+    reference = next(iter(gather.values()))[1]
     for label in sorted(found, key=lambda label: (label != gathers[0], label)):
         runs = found[label]
         seeds = sorted(runs)
-        options, reference = runs[seeds[0]][1], next(iter(gather.values()))[1]
-        shown_keys = (
-            GATHER_SHOWN
-            if label == gathers[0]
-            else [k for k in COMPARED if options[k] != reference[k] or k == "reduce_wire"]
-        )
-        differ = ", ".join(f"{k}={options[k]}" for k in shown_keys)
+        options = runs[seeds[0]][1]
+        if label == gathers[0]:
+            keys, versus = GATHER_SHOWN, "-"
+        else:
+            keys = [k for k in COMPARED if options[k] != reference[k] or k == "reduce_wire"]
+            loss = {s: runs[s][0]["final_val_loss"] for s in seeds}
+            differences = [100 * (loss[s] / gather[s][0]["final_val_loss"] - 1) for s in seeds if s in gather]
+            versus = shown(spread(differences), 2, "%")
+        differ = ", ".join(f"{k}={options[k]}" for k in keys)
         losses = spread(runs[s][0]["final_val_loss"] for s in seeds)
-        paired = [s for s in seeds if s in gather]
-        versus = (
-            "-"
-            if label == gathers[0]
-            else shown(
-                spread(100 * (runs[s][0]["final_val_loss"] / gather[s][0]["final_val_loss"] - 1) for s in paired),
-                2,
-                "%",
-            )
-        )
         wire = spread(runs[s][0]["wire_bytes_per_token"] for s in seeds).mean
         rounds = spread(runs[s][0]["sync_count"] for s in seeds).mean
         print(
