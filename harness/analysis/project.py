@@ -386,6 +386,13 @@ def measured_compute(run_dir: Path) -> Compute:
     )
 
 
+def mean_compute(measurements: Sequence[Compute]) -> Compute:
+    return Compute(
+        statistics.fmean(c.step_s for c in measurements), statistics.fmean(c.hide_s for c in measurements),
+        f"mean of {len(measurements)} run(s)",
+    )  # fmt: skip
+
+
 def settings_key(summary: dict[str, Any], config: RunConfig) -> tuple:
     """What a compute measurement must share with the run it predicts: method and options, model, shape, batch."""
     options = json.dumps(run_options(summary).resolved, sort_keys=True)
@@ -406,13 +413,19 @@ def ok_runs(paths: Sequence[Path]) -> list[tuple[Path, dict[str, Any], RunConfig
 def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict[str, Any]]:
     """Predicted vs measured tokens/s for every (method, options, model, profile) of the successful runs in
     `results`; compute from the runs in `compute_from` with the same method, options, model, shape and batch (their
-    mean), which should be other runs than the predicted ones (on an unshaped link)."""
+    mean), which should be other runs than the predicted ones (on an unshaped link).
+
+    Each row also predicts from the measured runs' own compute (`own_*`): that tests the link and schedule alone,
+    the part a projection to other sites and links carries over (compute there comes from an accelerator). Where
+    ranks share cores, compute differs between runs by more than a fast link adds, and only that column can tell.
+    `link_share` is the predicted part of a step spent waiting on the link: a row near 0 tests the link weakly."""
     computes: dict[tuple, list[Compute]] = {}
     for run_dir, summary, config in ok_runs(compute_from):
         computes.setdefault(settings_key(summary, config), []).append(measured_compute(run_dir))
-    groups: dict[tuple, list[tuple[dict, RunConfig]]] = {}
-    for _, summary, config in ok_runs(results):
-        groups.setdefault((settings_key(summary, config), summary["profile"]), []).append((summary, config))
+    groups: dict[tuple, list[tuple[dict, RunConfig, Compute]]] = {}
+    for run_dir, summary, config in ok_runs(results):
+        run = (summary, config, measured_compute(run_dir))
+        groups.setdefault((settings_key(summary, config), summary["profile"]), []).append(run)
     rows = []
     # model, profile, method, sites, options
     in_order = sorted(groups.items(), key=lambda kv: (kv[0][0][2], kv[0][1], kv[0][0][0], kv[0][0][3], kv[0][0][1]))
@@ -422,16 +435,14 @@ def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict
                 f"no compute measurement for {key[0]} {key[1]} on model {key[2]} ({key[3]} clusters, batch {key[4]}) "
                 "under --compute-from; run that method with those settings on the unshaped profile there"
             )
-        summary, config = runs[0]
-        measurements = computes[key]
-        compute = Compute(
-            statistics.fmean(c.step_s for c in measurements), statistics.fmean(c.hide_s for c in measurements),
-            f"mean of {len(measurements)} run(s)",
-        )  # fmt: skip
+        summary, config, _ = runs[0]
+        compute, own = mean_compute(computes[key]), mean_compute([c for _, _, c in runs])
         link = LinkModel.of(config.profile, config.clusters, window_bytes=default_window_bytes())
         prediction = predict(config, summary["tokens"] // summary["steps"], compute, link)
-        predicted = prediction.run_tokens_per_s(config.train.steps, config.train.throughput_warmup_steps)
-        measured = [s["tokens_per_s"] for s, _ in runs]
+        own_prediction = predict(config, summary["tokens"] // summary["steps"], own, link)
+        window = (config.train.steps, config.train.throughput_warmup_steps)
+        predicted, own_predicted = prediction.run_tokens_per_s(*window), own_prediction.run_tokens_per_s(*window)
+        measured = [s["tokens_per_s"] for s, _, _ in runs]
         mean = statistics.fmean(measured)
         rows.append(
             {
@@ -450,7 +461,11 @@ def validate(results: Sequence[Path], compute_from: Sequence[Path]) -> list[dict
                 "steady_state_tokens_per_s": prediction.tokens_per_s,
                 "compute_step_s": compute.step_s,
                 "compute_hide_s": compute.hide_s,
-                "compute_runs": len(measurements),
+                "compute_runs": len(computes[key]),
+                "own_compute_step_s": own.step_s,
+                "own_predicted_tokens_per_s": own_predicted,
+                "own_error": own_predicted / mean - 1,
+                "link_share": 1 - own.step_s / own_prediction.step_s,
             }
         )
     return rows

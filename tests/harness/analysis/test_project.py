@@ -144,6 +144,13 @@ def test_validation_predicts_other_runs_from_unshaped_compute(tmp_path):
     assert row["predicted_tokens_per_s"] == pytest.approx(2048 / step_s)
     assert row["measured_tokens_per_s"] == pytest.approx(500)
     assert row["error"] == pytest.approx(2048 / step_s / 500 - 1)
+    # From the measured run's own compute (its step less the time it waited), only the link is predicted.
+    own_s = 2048 / 500 * (1 - 0.25)
+    own_step_s = own_s + link.allreduce_s(4 * 875_520, 2)
+    assert row["own_compute_step_s"] == pytest.approx(own_s)
+    assert row["own_predicted_tokens_per_s"] == pytest.approx(2048 / own_step_s)
+    assert row["own_error"] == pytest.approx(2048 / own_step_s / 500 - 1)
+    assert row["link_share"] == pytest.approx(1 - own_s / own_step_s)
     with pytest.raises(ProjectionError, match="no compute measurement for allreduce"):
         project.validate([tmp_path / "measured"], [_opendiloco_only(tmp_path)])
 
@@ -163,6 +170,23 @@ def test_cli_prints_the_projection_and_writes_json(tmp_path):
     assert "predicted:" in out.output and "assumptions:" in out.output
     record = json.loads((tmp_path / "p.json").read_text())
     assert record["schedule"]["every_steps"] == 125 and record["predicted_tokens_per_s"] > 0
+
+
+def test_cli_validation_counts_both_predictions_against_the_tolerance(tmp_path):
+    write_run(tmp_path / "compute", "ar", "allreduce", profile="unshaped", tokens_per_s=2000, blocked_share=0.0)
+    # Its 4.1 s steps wait 7% (0.29 s) on the link, what 3.5 MB over 100 Mbit/s takes.
+    write_run(tmp_path / "measured", "ar-100", "allreduce", profile="100mbps", tokens_per_s=500, steps=40,
+              blocked_share=0.07)  # fmt: skip
+    out = CliRunner().invoke(main, [
+        "project", "--validate", str(tmp_path / "measured"), "--compute-from", str(tmp_path / "compute"),
+        "--json", str(tmp_path / "v.json"),
+    ])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    (row,) = json.loads((tmp_path / "v.json").read_text())
+    # Compute from the other run is 4x too fast here; the run's own compute leaves only the link to predict.
+    assert abs(row["error"]) > 0.15 >= abs(row["own_error"])
+    assert "compute from the other runs: 0 of 1 within 15%" in out.output
+    assert "each row's own compute: 1 of 1 within 15%" in out.output
 
 
 @pytest.mark.parametrize(
