@@ -478,14 +478,13 @@ class DiLoCoX(Method):
     @torch.no_grad()
     def _send_reduced(self, deltas: list[torch.Tensor], steps: int, fields: dict) -> _Exchange:
         """--exchange reduce: start the shared-basis exchange (trainers/powersgd.py) on a thread of its own, the
-        rank estimate (on the pseudo-gradient alone: this error feedback also keeps what replicas disagree on, which
-        cancels in the sums and never leaves) inside its first all-reduce. Its error feedback is set when its factors
-        are known, so the exchange before must have landed before this round compensates (under delayed it may
-        still be in flight: waiting here is time blocked on the link, reported with that exchange)."""
+        rank estimate inside its first all-reduce. Its error feedback is set when its factors are known, so the
+        exchange before must have landed before this round compensates (under delayed it may still be in flight:
+        waiting here is time blocked on the link, reported with that exchange)."""
         if self.in_flight is not None:
             self.in_flight.inflight.wait()
         compensated = [self.error_feedback.compensate(n, d) for n, d in zip(self.names, deltas, strict=True)]
-        totals, _ = self._rank_totals(deltas, exchange=False)
+        totals, _ = self._rank_totals(compensated, exchange=False)
         total, count = totals.tolist()
         extra = torch.tensor([total / count / self.ctx.replicas] if self.cfg.adaptive and count else [])
         rank, group, replicas = self.compressor.rank, self.ctx.data_parallel_group, self.ctx.replicas
