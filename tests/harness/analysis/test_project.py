@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import operator
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -230,3 +231,19 @@ def test_dilocoxs_rank_estimate_all_reduce_can_outlast_its_payload():
     assert fixed.exchange_s == pytest.approx(LINK_100M_160MS.allgather_s(fixed.payload_bytes, 2))
     assert adaptive.exchange_s == pytest.approx(LINK_100M_160MS.allreduce_s(16, 2))
     assert adaptive.exchange_s > fixed.exchange_s
+
+
+def test_the_committed_site_validation_recomputes_to_its_table():
+    """results/reference/projection-sites-tiny: what docs/studies.md and README print is what its runs give."""
+    import pandas as pd
+
+    root = Path(__file__).parents[3] / "results/reference/projection-sites-tiny"
+    rows = project.validate(
+        [root / "measured", root / "measured-blocking"], [root / "compute", root / "compute-blocking"]
+    )
+    committed = pd.read_csv(root / "validation.csv")
+    assert len(rows) == len(committed) == 12
+    for row, (_, saved) in zip(rows, committed.iterrows(), strict=True):
+        assert (row["profile"], row["clusters"], row["n"]) == (saved["profile"], saved["clusters"], 3)
+        assert row["error"] == pytest.approx(saved["error"]) and row["own_error"] == pytest.approx(saved["own_error"])
+        assert abs(row["error"]) <= project.VALIDATION_TOLERANCE >= abs(row["own_error"])
