@@ -130,33 +130,42 @@ def quantized_ring_payload_bytes(numel: int, n: int, bits: int, bucket_size: int
     return 2 * (n - 1) * quantized_nbytes(ring_chunk_numel(numel, n, bucket_size), bits, bucket_size)
 
 
-def quantized_ring_sum(flat: torch.Tensor, group: dist.ProcessGroup | None, bits: int, bucket_size: int = 128):
-    """The sum of fp32 `flat` over `group`, each hop's partial sum sent as `bits`-bit codes with per-bucket scales.
+def quantized_ring_sum(
+    flat: torch.Tensor, group: dist.ProcessGroup | None, bits: int, bucket_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of fp32 `flat` over `group`, each hop's partial sum sent as `bits`-bit codes with per-bucket scales,
+    and this rank's rounding: what its own quantizations took off the values it sent, where they sit in `flat`.
 
     gloo sums what it is given, so a quantized payload cannot ride its all-reduce; this is the ring by hand: a
     reduce-scatter in n - 1 steps, each rank sending one chunk's running sum to the next and adding the chunk it
     receives (decoded) to its own, then an all-gather of each rank's finished chunk, quantized once more. Every rank
     decodes the same gathered bytes, so the sum is the same everywhere; it carries n quantization errors, one per
-    hop. Blocking (run it on a thread: InThread). With no group the input comes back as it is: nothing travels.
+    hop, each made by the rank that sent it. So the roundings of all ranks add up to the exact sum minus the
+    returned one, and a caller's error feedback can keep them. Blocking (run it on a thread: InThread). With no
+    group the input comes back as it is: nothing travels, nothing rounds.
     """
     if group is None:
-        return flat
+        return flat, torch.zeros_like(flat)
     n, me = dist.get_world_size(group), dist.get_rank(group)
     numel = flat.numel()
     chunk = ring_chunk_numel(numel, n, bucket_size)
     chunks = list(torch.nn.functional.pad(flat.float(), (0, n * chunk - numel)).view(n, chunk).clone())
+    rounding = torch.zeros(n, chunk)
     nbytes = quantized_nbytes(chunk, bits, bucket_size)
 
     def decode(buf: torch.Tensor) -> torch.Tensor:
         return dequantize(Quantized.from_bytes(buf, chunk, bits, bucket_size), (chunk,))
 
+    def send_as_codes(index: int) -> torch.Tensor:
+        codes = quantize(chunks[index], bits, bucket_size)
+        rounding[index] += chunks[index] - dequantize(codes, (chunk,))
+        return codes.to_bytes()
+
     for k in range(n - 1):
         sent, received = (me - k) % n, (me - k - 1) % n
         inbox = torch.empty(nbytes, dtype=torch.uint8)
         ops = [
-            dist.P2POp(
-                dist.isend, quantize(chunks[sent], bits, bucket_size).to_bytes(), group=group, group_peer=(me + 1) % n
-            ),
+            dist.P2POp(dist.isend, send_as_codes(sent), group=group, group_peer=(me + 1) % n),
             dist.P2POp(dist.irecv, inbox, group=group, group_peer=(me - 1) % n),
         ]
         for work in dist.batch_isend_irecv(ops):
@@ -164,11 +173,11 @@ def quantized_ring_sum(flat: torch.Tensor, group: dist.ProcessGroup | None, bits
         chunks[received] = chunks[received] + decode(inbox)
     # Rank r now holds the whole sum of chunk (r + 1) mod n.
     gathered = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(gathered, quantize(chunks[(me + 1) % n], bits, bucket_size).to_bytes(), group=group)
+    dist.all_gather(gathered, send_as_codes((me + 1) % n), group=group)
     total = torch.empty(n, chunk)
     for rank, buf in enumerate(gathered):
         total[(rank + 1) % n] = decode(buf)
-    return total.view(-1)[:numel]
+    return total.view(-1)[:numel], rounding.view(-1)[:numel]
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -203,7 +203,8 @@ class DiLoCoXConfig(MethodConfig):
     reduce_wire: powersgd.Wire = field(
         default="bf16",
         metadata={
-            "help": "--exchange reduce: bf16, or int8 through a ring that re-quantizes each hop (half the bytes)."
+            "help": "--exchange reduce: bf16, or int8 or int4 through a ring that re-quantizes each hop (half or a "
+            "quarter of the bytes)."
         },
     )
     adaptive: bool = True

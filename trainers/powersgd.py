@@ -10,9 +10,8 @@ of the replicas' matrices add, and two all-reduces carry them:
     P^  = orth(P)           a reduced QR of the same P on every replica, so P^ is the same everywhere
     Q_i = M_i^T P^          all-reduce  Q = sum_i Q_i
     average         = P^ Q^T / n       the mean of the M_i projected onto span(P^)
-    transmitted_i   = P^ Q_i^T         replica i's share: the average is the mean of the shares (up to the
-                                       rounding of the sum on the wire), so error feedback e_i = M_i -
-                                       transmitted_i keeps what the average misses of M_i
+    transmitted_i   = P^ Q_i^T         replica i's share: the average is the mean of the shares, so error
+                                       feedback e_i = M_i - transmitted_i keeps what the average misses of M_i
     next round's Q0 = Q                the warm start (PowerSGD), the same on every replica
 
 Each all-reduce is a ring (trainers/comm.py), so a site sends 2(n-1)/n of each buffer: the bytes per site do
@@ -21,9 +20,13 @@ low-rank part. One power iteration per round, as PowerSGD (a second would cost t
 included); the warm start refines the subspace over rounds.
 
 What travels (`wire`): bf16, summed in bf16 by gloo's ring all-reduce (fp16's range underflows on a small
-pseudo-gradient's factors), or int8 with one fp16 scale per 128 values, through a ring by hand that re-quantizes
-each hop's partial sum (comm.quantized_ring_sum: half bf16's bytes, n quantization errors in the sum). Under int8
-every tensor's part of a buffer starts on a bucket boundary, so no bucket mixes two tensors' scales.
+pseudo-gradient's factors), or int8 or int4 codes with one fp16 scale per 128 values, through a ring by hand that
+re-quantizes each hop's partial sum (comm.quantized_ring_sum: half or a quarter of bf16's bytes, n quantization
+errors in the sum). Each of those errors is made by one replica, which knows it: its share gives up the rounding
+it put on the wire (Q_i less its rounding, a whole tensor less its), so the shares still add up to the average
+exactly and error feedback keeps the wire's rounding for the next round. The rounding of P needs no keeping: it
+only moves span(P^), which every replica then uses alike. Under int8 and int4 every tensor's part of a buffer
+starts on a bucket boundary, so no bucket mixes two tensors' scales.
 A tensor whose factors would not be smaller than it (1-D, a small matrix; compression.goes_as_factors) travels
 whole in the first all-reduce. `extra` (a few values, DiLoCoX's rank estimate) rides in the first buffer too, so it
 needs no collective or round trip of its own.
@@ -40,15 +43,16 @@ import torch
 import torch.distributed as dist
 
 from trainers.comm import allreduce_payload_bytes, quantized_ring_payload_bytes, quantized_ring_sum
-from trainers.compression import Shape, goes_as_factors, matrix_shape, resized_basis
+from trainers.compression import Shape, goes_as_factors, matrix_shape, quantized_nbytes, resized_basis
 
-Wire = Literal["bf16", "int8", "fp32"]  # fp32: exact sums, for tests
-WIRES: tuple[str, ...] = ("bf16", "int8")
+Wire = Literal["bf16", "int8", "int4", "fp32"]  # fp32: exact sums, for tests
+WIRES: tuple[str, ...] = ("bf16", "int8", "int4")
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-INT8_BITS, INT8_BUCKET = 8, 128
+CODE_BITS = {"int8": 8, "int4": 4}  # the wires that travel as codes through comm.quantized_ring_sum
+CODE_BUCKET = 128
 # The q of each wire in the compression-error bounds (trainers/round_metrics.py): bf16 keeps 8 significant bits, so
 # its relative rounding error is at most 2^-8, which the bounds' 2^(-q/2) reads as q = 16.
-WIRE_BITS = {"bf16": 16, "int8": INT8_BITS}
+WIRE_BITS = {"bf16": 16, **CODE_BITS}
 
 
 @dataclass
@@ -61,11 +65,17 @@ class Reduced:
 
 
 def _align(wire: Wire) -> int:
-    return INT8_BUCKET if wire == "int8" else 1
+    return CODE_BUCKET if wire in CODE_BITS else 1
 
 
 def _padded(numel: int, align: int) -> int:
     return -(-numel // align) * align
+
+
+def _unpadded(flat: torch.Tensor, sizes: Sequence[int], align: int) -> list[torch.Tensor]:
+    """The parts of a buffer laid out by PowerSGDReducer._sum, without their padding."""
+    chunks = flat.split([_padded(size, align) for size in sizes])
+    return [chunk[:size] for chunk, size in zip(chunks, sizes, strict=True)]
 
 
 def factor_rank(shape: Shape, rank: int) -> int | None:
@@ -86,7 +96,7 @@ def check_rank(shapes: Sequence[Shape], rank: int) -> None:
 
 def buffer_numels(shapes: Sequence[Shape], rank: int, extra: int = 0, wire: Wire = "bf16") -> tuple[int, int]:
     """Values in the first (P and whole tensors, then `extra`) and the second (Q) all-reduce, each part padded to
-    whole buckets under int8."""
+    whole buckets under int8 and int4."""
     align = _align(wire)
     first, second = _padded(extra, align), 0
     for shape in shapes:
@@ -101,16 +111,16 @@ def buffer_numels(shapes: Sequence[Shape], rank: int, extra: int = 0, wire: Wire
 
 def buffer_nbytes(numel: int, wire: Wire) -> int:
     """One replica's buffer of `numel` values as the wire holds it (a plan's all-reduce size)."""
-    if wire == "int8":
-        return numel * INT8_BITS // 8 + 2 * -(-numel // INT8_BUCKET)
+    if wire in CODE_BITS:
+        return quantized_nbytes(numel, CODE_BITS[wire], CODE_BUCKET)
     return numel * WIRE_DTYPES[wire].itemsize
 
 
 def payload_bytes(shapes: Sequence[Shape], rank: int, replicas: int, extra: int = 0, wire: Wire = "bf16") -> int:
     """What each replica sends for one exchange: both ring all-reduces."""
     numels = buffer_numels(shapes, rank, extra, wire)
-    if wire == "int8":
-        return sum(quantized_ring_payload_bytes(n, replicas, INT8_BITS, INT8_BUCKET) for n in numels)
+    if wire in CODE_BITS:
+        return sum(quantized_ring_payload_bytes(n, replicas, CODE_BITS[wire], CODE_BUCKET) for n in numels)
     return sum(allreduce_payload_bytes(buffer_nbytes(n, wire), replicas) for n in numels)
 
 
@@ -132,28 +142,31 @@ class PowerSGDReducer:
         return torch.linalg.qr(q.float()).Q
 
     def _rounded(self, x: torch.Tensor) -> torch.Tensor:
-        """What this replica's own share is worth once sent: bf16 rounds it; under int8 the sum is rounded on the
-        way, not the share, so the share stays as computed."""
+        """What this replica's own share is worth once sent: bf16 rounds it; under int8 and int4 the sum is rounded
+        on the way, not the share (_sum returns that rounding)."""
         return x.to(WIRE_DTYPES[self.wire]).float() if self.wire in WIRE_DTYPES else x
 
-    def _sum(self, parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-        """Each part summed over the replicas: one buffer, one ring all-reduce."""
+    def _sum(
+        self, parts: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each part summed over the replicas (one buffer, one ring all-reduce), and the rounding this replica put
+        on each part on the wire (zeros but under int8 and int4)."""
         align = _align(self.wire)
         sizes = [p.numel() for p in parts]
         flat = torch.cat(
             [torch.nn.functional.pad(p.reshape(-1).float(), (0, _padded(p.numel(), align) - p.numel())) for p in parts]
             or [torch.empty(0)]
         )
+        rounding = torch.zeros_like(flat)
         if group is not None and flat.numel():
-            if self.wire == "int8":
-                flat = quantized_ring_sum(flat, group, INT8_BITS, INT8_BUCKET)
+            if self.wire in CODE_BITS:
+                flat, rounding = quantized_ring_sum(flat, group, CODE_BITS[self.wire], CODE_BUCKET)
             else:
                 flat = flat.to(WIRE_DTYPES[self.wire])
                 dist.all_reduce(flat, group=group)
         elif self.wire in WIRE_DTYPES:
             flat = flat.to(WIRE_DTYPES[self.wire])
-        summed = flat.float().split([_padded(size, align) for size in sizes])
-        return [chunk[:size] for chunk, size in zip(summed, sizes, strict=True)]
+        return _unpadded(flat.float(), sizes, align), _unpadded(rounding, sizes, align)
 
     def exchange(
         self,
@@ -172,23 +185,26 @@ class PowerSGDReducer:
             m if r is None else m @ self._start(key, t.shape, rank)
             for key, t, m, r in zip(keys, tensors, matrices, ranks, strict=True)
         ]
-        *summed_first, summed_extra = self._sum([*sent_first, extra.float()], group)
+        (*summed_first, summed_extra), (*rounding_first, _) = self._sum([*sent_first, extra.float()], group)
 
         bases = [
             None if r is None else torch.linalg.qr(summed.view(m.shape[0], r)).Q
             for summed, m, r in zip(summed_first, matrices, ranks, strict=True)
         ]
         own_q = [None if p is None else self._rounded(m.T @ p) for m, p in zip(matrices, bases, strict=True)]
-        summed_second = iter(self._sum([q for q in own_q if q is not None], group))
+        summed_second, rounding_second = (iter(x) for x in self._sum([q for q in own_q if q is not None], group))
 
         average, transmitted = [], []
-        for key, t, m, summed, p, q in zip(keys, tensors, matrices, summed_first, bases, own_q, strict=True):
+        for key, t, m, summed, rounding, p, q in zip(
+            keys, tensors, matrices, summed_first, rounding_first, bases, own_q, strict=True
+        ):
             if p is None:
                 average.append((summed / replicas).view(t.shape))
-                transmitted.append(self._rounded(m).view(t.shape))
+                transmitted.append((self._rounded(m).view(-1) - rounding).view(t.shape))
                 continue
             q_sum = next(summed_second).view(m.shape[1], p.shape[1])
+            q_sent = q - next(rounding_second).view(q.shape)
             average.append((p @ q_sum.T / replicas).view(t.shape))
-            transmitted.append((p @ q.T).view(t.shape))
+            transmitted.append((p @ q_sent.T).view(t.shape))
             self._basis[key] = q_sum
         return Reduced(average, transmitted, summed_extra)

@@ -77,7 +77,7 @@ def test_int8_payload_pads_each_part_to_whole_buckets_and_rides_the_quantized_ri
         ({"exchange": "scatter"}, "--exchange must be one of gather, reduce"),
         ({"exchange": "reduce", "compression": False}, "--exchange reduce reduces low-rank factors"),
         ({"exchange": "reduce", "overlap": "eager"}, "--overlap eager restarts"),
-        ({"exchange": "reduce", "reduce_wire": "int4"}, "--reduce-wire must be one of bf16, int8"),
+        ({"exchange": "reduce", "reduce_wire": "int2"}, "--reduce-wire must be one of bf16, int8, int4"),
     ],
 )
 def test_bad_exchange_settings_name_the_flag(options, message):
@@ -105,19 +105,27 @@ def _reducer_scenario(rank: int) -> dict:
     mine = shared + (noise if rank == 0 else -noise)
     reducer = PowerSGDReducer(seed=0, wire="fp32")
     out = reducer.exchange([mine], ["w"], 2, torch.tensor([float(rank + 1)]), dist.group.WORLD, WORLD)
+    vector = torch.randn(200, generator=torch.Generator().manual_seed(rank))
+    coded = {
+        wire: PowerSGDReducer(seed=0, wire=wire).exchange(
+            [mine, vector], ["w", "b"], 2, torch.tensor([1.0]), dist.group.WORLD, WORLD
+        )
+        for wire in ("int8", "int4")
+    }
     return {
         "shared": shared,
         "mine": mine,
         "average": out.average[0],
         "transmitted": out.transmitted[0],
         "extra": out.extra,
+        "coded": {wire: (r.average, r.transmitted) for wire, r in coded.items()},
     }
 
 
 def _dilocox_scenario(rank: int) -> dict:
     """DiLoCoX with the reduce exchange on the toy model, streaming and delayed, with adaptation."""
     out = {}
-    for overlap, wire in (("streaming", "bf16"), ("delayed", "bf16"), ("streaming", "int8")):
+    for overlap, wire in (("streaming", "bf16"), ("delayed", "bf16"), ("streaming", "int8"), ("delayed", "int4")):
         model = toy_model()
         steps = 12
         cfg = DiLoCoXConfig(local_steps=4, exchange="reduce", rank=2, min_rank=1, overlap=overlap, reduce_wire=wire)
@@ -168,8 +176,26 @@ def test_error_feedback_keeps_what_the_average_misses(two_replicas):
         assert torch.linalg.norm(residual) > 0.5 * torch.linalg.norm(out["mine"] - out["shared"])
 
 
+def test_coded_wires_keep_their_rounding_in_the_shares(two_replicas):
+    # Under int8 and int4 the sum is rounded hop by hop; each replica's share gives up the rounding it made, so the
+    # shares still add up to the average, and error feedback carries the wire's rounding to the next round.
+    a, b = two_replicas["reducer"]
+    for wire, level in (("int8", 127), ("int4", 7)):
+        (average, mine), (other_average, other) = a["coded"][wire], b["coded"][wire]
+        for x, y in zip(average, other_average, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+        for avg, t_a, t_b in zip(average, mine, other, strict=True):
+            torch.testing.assert_close((t_a + t_b) / 2, avg, rtol=0, atol=1e-5)
+        # The whole vector's average misses the exact mean by no more than the ring's two roundings allow.
+        exact = (
+            torch.randn(200, generator=torch.Generator().manual_seed(0))
+            + torch.randn(200, generator=torch.Generator().manual_seed(1))
+        ) / 2
+        assert 0 < (average[1] - exact).abs().max() < 2 * 0.5 * 8.0 / level
+
+
 def test_dilocox_reduce_agrees_across_replicas_and_counts_its_bytes(two_replicas):
-    for variant in ("streaming-bf16", "delayed-bf16", "streaming-int8"):
+    for variant in ("streaming-bf16", "delayed-bf16", "streaming-int8", "delayed-int4"):
         a, b = (out[variant] for out in two_replicas["dilocox"])
         for x, y in zip(a["theta"], b["theta"], strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
