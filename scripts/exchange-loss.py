@@ -9,11 +9,18 @@ per-seed differences), wire bytes per token and rounds (syncs). Runs of the same
 are refused: pass folders that do not overlap.
 
     scripts/exchange-loss.py results/reference/exchange-loss-bf16-2000
+
+`--pair-with FOLDER` takes the gather to pair with from FOLDER alone and names every variant of the other folders
+by its folder (`exchange-fixed-pair-2000/dilocox`), so studies that each hold a gather of their own can all be set
+against one:
+
+    scripts/exchange-loss.py --pair-with results/reference/exchange-loss-bf16-2000 \
+        results/reference/exchange-fixed-pair-2000
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from harness.analysis.comparison import Spread, spread
@@ -46,9 +53,27 @@ def shown(s: Spread, digits: int = 3, unit: str = "") -> str:
     return f"{s.mean:.{digits}f}{unit} (n={s.n})"
 
 
-def main(folders: list[Path]) -> None:
-    found = variants(folders)
-    gathers = [label for label, runs in found.items() if all(o["exchange"] == "gather" for _, o in runs.values())]
+def shown_options(options: dict, reference: dict) -> list[str]:
+    """What a variant's row names: its exchange, a reduce's wire, and the other options that differ from the gather's
+    it is paired with."""
+    relevant = [k for k in COMPARED if k != "reduce_wire" or options["exchange"] == "reduce"]
+    return [k for k in relevant if k in ("exchange", "reduce_wire") or options[k] != reference[k]]
+
+
+def is_gather(runs: dict[int, tuple[dict, dict]]) -> bool:
+    return all(options["exchange"] == "gather" for _, options in runs.values())
+
+
+def main(folders: list[Path], pair_with: Path | None = None) -> None:
+    if pair_with is None:
+        found = variants(folders)
+        gathers = [label for label, runs in found.items() if is_gather(runs)]
+    else:
+        found = variants([pair_with])
+        gathers = [label for label, runs in found.items() if is_gather(runs)]
+        found = {label: found[label] for label in gathers}
+        for folder in folders:
+            found |= {f"{folder.name}/{label}": runs for label, runs in variants([folder]).items()}
     if len(gathers) != 1:
         raise SystemExit(f"expected one gather variant to pair with, found {gathers or 'none'}")
     gather = found[gathers[0]]
@@ -62,7 +87,7 @@ def main(folders: list[Path]) -> None:
         if label == gathers[0]:
             keys, versus = GATHER_SHOWN, "-"
         else:
-            keys = [k for k in COMPARED if options[k] != reference[k] or k == "reduce_wire"]
+            keys = shown_options(options, reference)
             loss = {s: runs[s][0]["final_val_loss"] for s in seeds}
             differences = [100 * (loss[s] / gather[s][0]["final_val_loss"] - 1) for s in seeds if s in gather]
             versus = shown(spread(differences), 2, "%")
@@ -77,6 +102,8 @@ def main(folders: list[Path]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: scripts/exchange-loss.py SWEEP_FOLDER [SWEEP_FOLDER ...]")
-    main([Path(a) for a in sys.argv[1:]])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path, metavar="SWEEP_FOLDER")
+    parser.add_argument("--pair-with", type=Path, metavar="FOLDER", help="take the gather to pair with from FOLDER")
+    args = parser.parse_args()
+    main(args.folders, args.pair_with)

@@ -10,9 +10,10 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "results" / "reference"
 
 
-def table(*folders: str) -> subprocess.CompletedProcess:
+def table(*folders: str, pair_with: str | None = None) -> subprocess.CompletedProcess:
+    pairing = [] if pair_with is None else ["--pair-with", str(REFERENCE / pair_with)]
     return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "exchange-loss.py"), *(str(REFERENCE / f) for f in folders)],
+        [sys.executable, str(ROOT / "scripts" / "exchange-loss.py"), *pairing, *(str(REFERENCE / f) for f in folders)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -34,6 +35,23 @@ def test_the_committed_studies_give_the_documented_pairs():
         recomputed = table(*folders)
         assert recomputed.returncode == 0, recomputed.stderr
         assert recomputed.stdout == (REFERENCE / folders[-1] / "loss.md").read_text()
+
+
+def test_studies_with_a_gather_of_their_own_pair_with_one_named_gather():
+    # docs/studies.md: the fixed pair's reduce against the default (adaptive) gather, each named by its folder.
+    result = table("exchange-fixed-pair-2000", pair_with="exchange-loss-bf16-2000")
+    assert result.returncode == 0, result.stderr
+    rows = result.stdout.splitlines()[2:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| dilocox",
+        "| exchange-fixed-pair-2000/dilocox",
+        "| exchange-fixed-pair-2000/dilocox@int8",
+    ]
+    assert (
+        "| exchange=gather, rank=48, local_steps=64, adaptive=False | 3 | 3,4,5 | 1.508 +- 0.021 | -0.63% +- 0.61%"
+        in (rows[1])
+    )
+    assert "| 1.521 +- 0.027 | 0.24% +- 0.19% | 12.0 | 32.0 |" in rows[2]
 
 
 def test_two_folders_holding_the_same_variant_and_seed_are_refused():
