@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harness.analysis.bands import load_baseline, sweep_command  # noqa: E402
+from harness.analysis.reference_code import CODE_PATHS, FOLDER  # noqa: E402
 
 # Sleeps 15% of the step's own time since the previous call (the sleeps themselves left out, so the slowdown does
 # not compound): the step of the method, 15% slower on any machine.
@@ -112,7 +113,6 @@ INJECTIONS = (
         "DeMo's step sleeps 15% of its own time",
     ),
 )  # fmt: skip
-COPIED = ("harness", "trainers", "netem_profiles", "compose", "pyproject.toml")
 
 
 def patched(name: str, edit: Edit, text: str) -> str:
@@ -160,7 +160,7 @@ def inject(injection: Injection, baseline: Path, clean: Path, out: Path) -> tupl
     """Remake the injected method's runs with the patched code; whether the check caught it, and what failed."""
     work = out / injection.name
     code = work / "code"
-    for name in COPIED:
+    for name in CODE_PATHS:
         source = ROOT / name
         if source.is_dir():
             shutil.copytree(source, code / name, ignore=shutil.ignore_patterns("__pycache__"))
@@ -180,7 +180,11 @@ def inject(injection: Injection, baseline: Path, clean: Path, out: Path) -> tupl
         if not run.name.startswith(".") and not run.name.startswith(f"{injection.method}-"):
             shutil.copytree(run, held / "clean" / run.name)
     shutil.copytree(work / "runs" / "runs", held / "injected")
-    status, output = harness("check", "--baseline", str(baseline), "--results", str(held))
+    # The reference code's runs of the clean check (harness/analysis/reference_code.py): the injected runs' step
+    # overhead is held to what the known code measured on this machine, as in the clean check.
+    reference = clean / FOLDER
+    paired = ("--reference-results", str(reference)) if (reference / "sweep.json").is_file() else ()
+    status, output = harness("check", "--baseline", str(baseline), "--results", str(held), *paired)
     failed = failed_bands(output)
     return status == 1 and (injection.method, injection.metric) in failed, failed
 

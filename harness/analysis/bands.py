@@ -29,6 +29,7 @@ from harness.run.folder import RunPaths, find_run_dirs, read_config, read_enviro
 from trainers.registry import METHODS
 
 DEFAULT_REPEATS = 3
+HEX = "0123456789abcdef"
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Metric:
     what: str  # why `most` matters, for the refusal
     cause: str  # printed beside a value outside the band: what it most likely means
     measure: str = ""  # the run measure it is the median of [default: its name]
+    # Moves with the machine's kind of CPU, so measured against the baseline's reference code on the machine that
+    # checks, where the baseline names one (harness/analysis/reference_code.py), not against the stored reference.
+    on_machine: bool = False
 
     @property
     def measure_key(self) -> str:
@@ -55,6 +59,7 @@ METRICS: dict[str, Metric] = {
             "step_overhead", 0.06, 0.15, "could not catch a step 15% slower",
             "compute: the method's own work per step (all but waiting on the link) changed against its forward and "
             "backward pass: its step, compression or outer step got slower (or faster)",
+            on_machine=True,
         ),
         Metric(
             "step_time_residual", 0.05, 0.25, "could not catch an exchange no longer hidden",
@@ -80,6 +85,7 @@ METRICS: dict[str, Metric] = {
 BAND_KEYS = ("reference", "noise", "tolerance")
 CHECK_KEYS = ("method", "profile")
 TOP_KEYS = ("run", "checks")
+OPTIONAL_TOP_KEYS = ("reference_code",)
 RUN_KEYS = ("seed", "repeats", "methods")  # run: keys that are not sweep settings
 # The order in which a mismatch is named: what a reader most likely changed first.
 MISMATCH_ORDER = ("steps", "seed", "model", "clusters", "stages", "batch_size", "seq_len", "eval_every")
@@ -133,6 +139,9 @@ class Baseline:
     method_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     seed: int = 0
     repeats: int = DEFAULT_REPEATS
+    # The git commit whose code `harness check` runs beside the checkout's on the checking machine, to hold
+    # step_overhead to what that code measures there rather than to the stored reference (harness/analysis/gate.py).
+    reference_code: str | None = None
 
 
 # --- reading a baseline file -------------------------------------------------------------------------------------
@@ -250,8 +259,16 @@ def load_baseline(path: Path) -> Baseline:
             f"baseline file {path} is in the old one-sided format (tolerance, ratios); write a two-sided one "
             "with `harness baseline RESULTS --out FILE` from a folder of repeats"
         )
-    _require_keys(data, TOP_KEYS, TOP_KEYS, f"baseline file {path}")
+    _require_keys(data, TOP_KEYS, (*TOP_KEYS, *OPTIONAL_TOP_KEYS), f"baseline file {path}")
     settings, methods, seed, repeats = _run_section(data["run"])
+    reference_code = data.get("reference_code")
+    if reference_code is not None and not (
+        isinstance(reference_code, str) and len(reference_code) == 40 and set(reference_code) <= set(HEX)
+    ):
+        raise BaselineError(
+            f"reference_code must be a full 40-digit git commit (as `git rev-parse COMMIT` prints it), got "
+            f"{reference_code!r}"
+        )
     entries = data["checks"]
     if not isinstance(entries, list) or not entries:
         raise BaselineError("checks must be a non-empty list of {method, profile, <metric>: {reference, ...}}")
@@ -262,7 +279,7 @@ def load_baseline(path: Path) -> Baseline:
         if key in seen:
             raise BaselineError(f"checks name {check.method} on {check.profile_name} twice; merge the two entries")
         seen.add(key)
-    return Baseline(checks, settings, methods, seed, repeats)
+    return Baseline(checks, settings, methods, seed, repeats, reference_code)
 
 
 # --- running what a baseline needs -------------------------------------------------------------------------------
@@ -306,10 +323,14 @@ def _flag_value(value: Any) -> str:
 
 
 def sweep_command(
-    baseline: Baseline, out: str, methods: Sequence[str] | None = None, repeats: int | None = None
+    baseline: Baseline,
+    out: str,
+    methods: Sequence[str] | None = None,
+    repeats: int | None = None,
+    force: bool = True,
 ) -> list[str]:
     """The `harness sweep` command(s) that make the runs `harness check` would make (of `methods` only, where
-    given; `repeats` each, default the baseline's), into `out` (forced: fresh)."""
+    given; `repeats` each, default the baseline's), into `out` (fresh where `force`, else resumed)."""
     commands = []
     for profile, checks in _profiles(baseline).items():
         wanted = _needed_methods(checks, methods)
@@ -325,7 +346,7 @@ def sweep_command(
                 words += ["--set", f"{key}={_flag_value(value)}"]
         for method, options in baseline.method_options.items():
             words += [w for k, v in options.items() for w in ("--method-set", f"{method}:{k}={_flag_value(v)}")]
-        words += ["--force", "--out", out]
+        words += [*(["--force"] if force else []), "--out", out]
         commands.append(shlex.join(words))
     return commands
 

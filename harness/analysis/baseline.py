@@ -149,7 +149,7 @@ def _profile_for(run: StoredRun, results: str) -> str:
     )
 
 
-def derive_baseline(results: Path) -> Derived:
+def derive_baseline(results: Path, reference_code: str | None = None) -> Derived:
     """Two-sided bands from a folder of repeats (gate.py's module doc): every method's, on every profile the runs
     used."""
     where = str(results)
@@ -190,7 +190,7 @@ def derive_baseline(results: Path) -> Derived:
         medians[(method, profile)] = {"tokens_per_s": statistics.median(tokens) if tokens else None}
     seed = settings.get("seed", 0)
     repeats = min(len(g) for g in groups.values())
-    baseline = Baseline(tuple(checks), _run_settings(settings), method_options, seed, CHECK_REPEATS)
+    baseline = Baseline(tuple(checks), _run_settings(settings), method_options, seed, CHECK_REPEATS, reference_code)
     counts = {key: len(group) for key, group in groups.items()}
     return Derived(baseline, medians, counts, where, repeats, _machine(runs))
 
@@ -255,7 +255,8 @@ def baseline_text(derived: Derived, out: Path) -> str:
     """The baseline file: a header that says how to regenerate it and how its bands were derived, then the data."""
     baseline = derived.baseline
     commands = [*sweep_command(baseline, derived.results, repeats=derived.repeats)]
-    commands.append(shlex.join(["harness", "baseline", derived.results, "--out", str(out)]))
+    code = ["--reference-code", baseline.reference_code] if baseline.reference_code else []
+    commands.append(shlex.join(["harness", "baseline", derived.results, "--out", str(out), *code]))
     floors = ", ".join(f"{m.name} {m.floor:g}" for m in METRICS.values())
     lines = [
         f"# The CI gate: `harness check --baseline {out}` (.ci/run runs it after the tests).",
@@ -266,6 +267,16 @@ def baseline_text(derived: Derived, out: Path) -> str:
     ]
     if derived.machine:
         lines += [f"# The runs were measured on: {derived.machine}.", "#"]
+    if baseline.reference_code:
+        on_machine = " and ".join(m.name for m in METRICS.values() if m.on_machine)
+        text = textwrap.wrap(
+            f"{on_machine} moves with the kind of CPU, so `harness check` runs the same runs with the code of "
+            f"reference_code (a commit of this repository) on the machine it checks, in turn with the checkout's, "
+            "and centres that band on what they measure there; the references below are those of the machines named "
+            "above (--stored-references holds the band to them).",
+            112,
+        )
+        lines += [*(f"# {line}" for line in text), "#"]
     for (method, metric), why in UNGATED.items():
         text = textwrap.wrap(f"Not gated: {method} {metric}, which {why}.", 112)
         lines += [*(f"# {line}" for line in text), "#"]
@@ -276,8 +287,10 @@ def baseline_text(derived: Derived, out: Path) -> str:
         "# A band holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance). Each line's",
         "# comment shows its band. What each metric is, why these floors and K: the docstring of",
         "# harness/analysis/gate.py. What changed against an older baseline: harness baseline --diff OLD NEW.",
-        "run:",
     ]
+    if baseline.reference_code:
+        lines.append(f"reference_code: {baseline.reference_code}")
+    lines.append("run:")
     lines += [f"  {key}: {_flow(value)}" for key, value in baseline.settings.items()]
     lines += [f"  seed: {baseline.seed}", f"  repeats: {baseline.repeats}"]
     if baseline.method_options:
@@ -298,9 +311,10 @@ def baseline_text(derived: Derived, out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_baseline(results: Path, out: Path) -> Derived:
-    """Derive a baseline from `results` and write it to `out`, read back (and checked) before it replaces `out`."""
-    derived = derive_baseline(results)
+def write_baseline(results: Path, out: Path, reference_code: str | None = None) -> Derived:
+    """Derive a baseline from `results` and write it to `out`, read back (and checked) before it replaces `out`;
+    `reference_code`: the full commit `harness check` runs beside the checkout (harness/analysis/reference_code.py)."""
+    derived = derive_baseline(results, reference_code)
     text = baseline_text(derived, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")

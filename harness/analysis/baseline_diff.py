@@ -19,7 +19,8 @@ MEASURED_ON = "# The runs were measured on: "
 
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[tuple[str, str], dict[str, Mapping[str, Any]]], str]:
-    """(run settings, (method, profile) -> metric -> band, where the runs were measured) of a baseline file."""
+    """(run settings and the reference code, (method, profile) -> metric -> band, where the runs were measured) of a
+    baseline file."""
     data = read_yaml(path, "baseline file", BaselineError)
     if not isinstance(data, dict) or not isinstance(data.get("run"), dict) or not isinstance(data.get("checks"), list):
         raise BaselineError(f"{path} is not a baseline file (a mapping with run: and a list of checks:)")
@@ -31,7 +32,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[tuple[str, str], dict[str, M
         checks[(str(entry["method"]), str(entry["profile"]))] = bands
     lines = path.read_text().splitlines()
     machine = next((line.removeprefix(MEASURED_ON).rstrip(".") for line in lines if line.startswith(MEASURED_ON)), "")
-    return data["run"], checks, machine
+    return {**data["run"], "reference_code": data.get("reference_code")}, checks, machine
 
 
 def _number(band: Mapping[str, Any], key: str) -> float | None:
@@ -59,7 +60,7 @@ def diff_text(old_path: Path, new_path: Path) -> str:
         out += [f"measured on: {old_machine or unknown}", f"        now: {new_machine or unknown}", ""]
     changed = [k for k in dict.fromkeys([*old_run, *new_run]) if old_run.get(k) != new_run.get(k)]
     if changed:
-        out.append("run: settings that changed:")
+        out.append("run: settings (and the reference code) that changed:")
         out += [f"- {k}: {old_run.get(k, '(unset)')!r} -> {new_run.get(k, '(unset)')!r}" for k in changed]
     else:
         out.append("run: settings unchanged")

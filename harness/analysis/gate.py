@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.analysis.bands import (
@@ -94,17 +94,36 @@ from harness.analysis.bands import (
     needed_runs,
 )
 from harness.analysis.options import AS_GIVEN
+from harness.analysis.reference_code import FOLDER, run_reference
 from harness.analysis.report import markdown_table
 from harness.analysis.sweep import SweepObserver, applies_to, profile_name, run_sweep
 from harness.run.config import RunConfig
 
 
 def run_needed(
-    baseline: Baseline, out: Path, repeats: int | None = None, observer: SweepObserver | None = None
+    baseline: Baseline,
+    out: Path,
+    repeats: int | None = None,
+    observer: SweepObserver | None = None,
+    reference_code: str | None = None,
 ) -> None:
-    """Run (or resume) every run the baseline's checks need into the sweep folder `out`."""
-    for spec in needed_runs(baseline, repeats):
-        run_sweep(spec, out, observer=observer)
+    """Run (or resume) every run the baseline's checks need into the sweep folder `out`; with `reference_code`, the
+    same runs of that commit's code into out/reference-code, method by method in turn with the checkout's, so that
+    both meet the same machine and the same load."""
+    specs = needed_runs(baseline, repeats)
+    if reference_code is None:
+        for spec in specs:
+            run_sweep(spec, out, observer=observer)
+        return
+    for spec in specs:
+        for method in spec.methods:
+            run_sweep(replace(spec, methods=(method,)), out, observer=observer)
+            run_reference(replace(baseline, repeats=spec.repeats), reference_code, out / FOLDER, [method])
+    # Each sweep's index.csv lists the runs of its last call; one more call over all of them (each one finished,
+    # so skipped) lists them all.
+    for spec in specs:
+        run_sweep(spec, out)
+    run_reference(replace(baseline, repeats=specs[0].repeats), reference_code, out / FOLDER)
 
 
 # --- comparing ---------------------------------------------------------------------------------------------------
@@ -118,6 +137,8 @@ class BandResult:
     measured: float | None
     runs: str  # how many runs the value is the median of
     missing: str | None = None  # why there is no value
+    # The reference of the baseline file, where the band is centred on the reference code's runs on this machine.
+    stored_reference: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -141,12 +162,14 @@ class BandResult:
 
 class _Selector:
     """The successful runs of one method on one profile made with the baseline's settings; refuses a folder whose
-    runs of that method were all made with other settings (the bands hold only for the baseline's)."""
+    runs of that method were all made with other settings (the bands hold only for the baseline's). The reference
+    code's runs are held to the settings only: an option added since it was written is not one it could record."""
 
-    def __init__(self, baseline: Baseline, runs: Sequence[StoredRun], where: str):
+    def __init__(self, baseline: Baseline, runs: Sequence[StoredRun], where: str, with_options: bool = True):
         self.baseline = baseline
         self.runs = runs
         self.where = where
+        self.with_options = with_options
         self.cache: dict[tuple[str, str], list[StoredRun]] = {}
 
     def __call__(self, method: str, profile: str) -> list[StoredRun]:
@@ -165,7 +188,11 @@ class _Selector:
         expected = RunConfig.build(method, profile, seed=self.baseline.seed, **settings)
         want = flat_settings(expected.to_dict())
         want_options = expected.resolved_options
-        picked = [r for r in candidates if not differences(want, r.settings()) and r.options() == want_options]
+        picked = [
+            r
+            for r in candidates
+            if not differences(want, r.settings()) and (not self.with_options or r.options() == want_options)
+        ]
         if picked:
             return picked
         run = candidates[0]
@@ -194,26 +221,58 @@ def _median(runs: Sequence[StoredRun], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def evaluate(baseline: Baseline, runs: Sequence[StoredRun], where: str = "the results") -> list[BandResult]:
-    """Every band, measured from the medians of the matching successful runs; a band without runs fails."""
+def evaluate(
+    baseline: Baseline,
+    runs: Sequence[StoredRun],
+    where: str = "the results",
+    reference_runs: Sequence[StoredRun] | None = None,
+    reference_where: str = "the reference code's runs",
+) -> list[BandResult]:
+    """Every band, measured from the medians of the matching successful runs; a band without runs fails. With
+    `reference_runs` (the baseline's reference code run on this machine), each band of a metric measured on the
+    machine (Metric.on_machine) is centred on their median in place of the stored reference."""
     select = _Selector(baseline, runs, where)
+    on_machine = None if reference_runs is None else _Selector(baseline, reference_runs, reference_where, False)
     results = []
     for check in baseline.checks:
         own = select(check.method, check.profile)
         for band in check.bands:
             key = METRICS[band.metric].measure_key
             measured, missing = _median(own, key), None
+            count, stored = _count(own), None
+            if on_machine is not None and METRICS[band.metric].on_machine:
+                theirs = on_machine(check.method, check.profile)
+                here, stored = _median(theirs, key), band.reference
+                count = f"{count} vs {len(theirs)}"
+                if here is None:
+                    missing = f"no {key} of the reference code's {check.method} runs on this machine"
+                else:
+                    band = replace(band, reference=here)
             if not own:
                 missing = f"no successful {check.method} runs"
             elif measured is None:
                 missing = f"{check.method}'s runs have no {key}"
-            results.append(BandResult(check.method, check.profile_name, band, measured, _count(own), missing))
+            result = BandResult(check.method, check.profile_name, band, measured, count, missing, stored)
+            results.append(replace(result, measured=None) if missing else result)
     return results
 
 
-def check(baseline: Baseline, results_dirs: list[Path]) -> list[BandResult]:
+def check(baseline: Baseline, results_dirs: list[Path], reference_dir: Path | None = None) -> list[BandResult]:
+    """The bands over the runs in `results_dirs`; with `reference_dir`, the reference code's runs on this machine
+    (run_needed's out/reference-code) re-centre the bands measured on the machine."""
     where = ", ".join(map(str, results_dirs))
-    return evaluate(baseline, load_stored_runs(results_dirs), where)
+    if reference_dir is None:
+        return evaluate(baseline, load_stored_runs(results_dirs), where)
+    reference = load_stored_runs([reference_dir])
+    return evaluate(baseline, load_stored_runs(results_dirs), where, reference, str(reference_dir))
+
+
+def reference_dir_for(results: Path, given: Path | None) -> Path | None:
+    """The reference code's runs to pair with `results`: those given, else the ones a check made beside them."""
+    if given is not None:
+        return given
+    beside = results / FOLDER
+    return beside if (beside / "sweep.json").is_file() else None
 
 
 # --- printing ----------------------------------------------------------------------------------------------------
@@ -237,6 +296,24 @@ def results_table(results: Sequence[BandResult]) -> str:
         for r in results
     ]
     return markdown_table(header, rows, text_columns=4)
+
+
+def on_machine_text(results: Sequence[BandResult], commit: str | None) -> str:
+    """What the bands centred on the reference code's runs here were centred on, and how far this machine reads
+    from the one the stored references were measured on (the shift that a stored band would have had to absorb)."""
+    paired = [r for r in results if r.stored_reference is not None]
+    if not paired:
+        return ""
+    metrics = sorted({r.band.metric for r in paired})
+    code = f" ({commit[:12]})" if commit else ""
+    shifts = ", ".join(
+        f"{r.method} {r.band.reference / r.stored_reference - 1:+.1%}" for r in paired if r.missing is None
+    )
+    return (
+        f"{', '.join(metrics)}: each band centred on the reference code{code} run on this machine (runs: this "
+        f"checkout's vs the reference code's), not on the stored reference; this machine against the stored "
+        f"references' machine: {shifts or '-'}"
+    )
 
 
 def failures_text(results: Sequence[BandResult]) -> str:

@@ -228,32 +228,57 @@ def plot(results, out):
 @click.option(
     "--out", type=click.Path(path_type=Path), help="Where new runs go [default: a new harness-check-* temp folder]."
 )
-def check(baseline, results, repeats, out):
+@click.option(
+    "--reference-results",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="With --results: the reference code's runs on the same machine [default: RESULTS/reference-code, if there].",
+)
+@click.option(
+    "--stored-references",
+    is_flag=True,
+    help="Hold step_overhead to the baseline file's references instead of running its reference_code here.",
+)
+def check(baseline, results, repeats, out, reference_results, stored_references):
     """Exit 1 when a metric falls outside its band in the baseline; 0 when all hold; 2 on a bad baseline.
 
     Per method and profile, metrics that do not move with the machine's compute speed: step_overhead (a step's own
     time over its forward and backward), step_time_residual (measured over link-model-predicted time, from the
     run's own compute), payload bytes per applied token, wire bytes per payload byte, final validation loss. A band
     holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance). Each band that does not hold
-    is printed with its likely cause (compute, link, bytes, loss).
+    is printed with its likely cause (compute, link, bytes, loss). Where the baseline names reference_code (a git
+    commit), the same runs are made with that code on this machine, in turn with this checkout's, and step_overhead
+    (which moves with the kind of CPU) is centred on what they measure here.
     """
     import tempfile
 
     from harness.analysis import bands, gate
 
     spec = bands.load_baseline(baseline)
+    if reference_results is not None and results is None:
+        raise click.UsageError("--reference-results goes with --results (the runs they are paired with)")
+    paired_code = None if stored_references else spec.reference_code
     if results is None:
         reexec_if_unprivileged()
         results = out or Path(tempfile.mkdtemp(prefix="harness-check-"))
         count = repeats or spec.repeats
-        print_text(f"running what {baseline} needs ({count} run(s) each) into {results}")
+        beside = f", and with the reference code {paired_code[:12]} into {results / 'reference-code'}"
+        print_text(f"running what {baseline} needs ({count} run(s) each) into {results}{beside * bool(paired_code)}")
         display = SweepProgress()
         with display.bars:
-            gate.run_needed(spec, results, count, observer=display)
+            gate.run_needed(spec, results, count, observer=display, reference_code=paired_code)
     if repeats is not None and repeats < spec.repeats:
         print_text(f"note: {repeats} run(s) each, fewer than the {spec.repeats} the bands were derived for")
-    outcomes = gate.check(spec, [results])
+    reference_dir = None if stored_references else gate.reference_dir_for(results, reference_results)
+    if spec.reference_code and reference_dir is None and not stored_references:
+        print_text(
+            "note: no runs of the baseline's reference code beside these results (--reference-results), so "
+            "step_overhead is held to the stored references, measured on another machine"
+        )
+    outcomes = gate.check(spec, [results], reference_dir)
     click.echo(gate.results_table(outcomes))
+    on_machine = gate.on_machine_text(outcomes, spec.reference_code)
+    if on_machine:
+        click.echo(on_machine)
     outside = [o for o in outcomes if not o.ok]
     click.echo(f"{len(outcomes) - len(outside)} of {len(outcomes)} bands hold")
     if outside:
@@ -272,17 +297,23 @@ def check(baseline, results, repeats, out):
     metavar="OLD NEW",
     help="Print what changed between two baseline files (settings, checks, every band) instead.",
 )
-def baseline(results, out, diff):
+@click.option(
+    "--reference-code",
+    metavar="COMMIT",
+    help="A commit of this repository whose code `harness check` runs beside the checkout on the machine it checks, "
+    "to centre step_overhead on what it measures there [default: none; the stored references only].",
+)
+def baseline(results, out, diff, reference_code):
     """Write a baseline for `harness check` from RESULTS, a folder of >= 5 repeats (a sweep with --repeats 5).
 
     Every method gets two-sided bands (harness/analysis/gate.py's module doc): reference = the median over its
-    repeats, tolerance = max(floor, 4 x one run's relative standard deviation). RESULTS must hold one
+    repeats, tolerance = max(floor, 3.2 x one run's relative standard deviation). RESULTS must hold one
     configuration per method. The file's header holds the one command that regenerates it. With --diff OLD NEW:
     what changed between two baselines.
     """
     if diff:
-        if results is not None or out is not None:
-            raise click.UsageError("--diff OLD NEW compares two files; give it without RESULTS and --out")
+        if results is not None or out is not None or reference_code is not None:
+            raise click.UsageError("--diff OLD NEW compares two files; give it without RESULTS or other options")
         from harness.analysis.baseline_diff import diff_text
 
         click.echo(diff_text(*diff), nl=False)
@@ -290,7 +321,8 @@ def baseline(results, out, diff):
     if results is None or out is None:
         raise click.UsageError("give RESULTS and --out FILE (or --diff OLD NEW)")
     from harness.analysis.baseline import bands_table, write_baseline
+    from harness.analysis.reference_code import resolve_commit
 
-    derived = write_baseline(results, out)
+    derived = write_baseline(results, out, resolve_commit(reference_code) if reference_code else None)
     click.echo(bands_table(derived.baseline))
     print_text(f"wrote {out}; check with: harness check --baseline {out}")

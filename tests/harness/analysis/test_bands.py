@@ -48,6 +48,10 @@ def test_band_is_a_factor_either_way():
         ("tolerance: 0.25\nratios: []\n", "old one-sided format"),
         ("run: {steps: 40}\n", "lacks checks"),
         ("run: {steps: 40}\nchecks: []\nextra: 1\n", "unknown key(s) extra"),
+        (
+            "reference_code: HEAD\nrun: {steps: 40}\nchecks: [{method: local, profile: 100mbps}]\n",
+            "reference_code must be a full 40-digit git commit",
+        ),
         ("run: {steps: 40}\nchecks: {}\n", "checks must be a non-empty list"),
         ("run: {model: tiny}\nchecks: [{method: local}]\n", "run: lacks steps"),
         ("run: {steps: 40}\nchecks: [{method: opendiloco}]\n", "checks[0] lacks profile"),
@@ -161,6 +165,7 @@ def test_the_committed_baseline_is_valid_and_gates_every_method():
         assert {(method, m) for m in METRICS} - set(UNGATED) <= gated
     assert not set(UNGATED) & gated
     assert baseline.settings["steps"] == 40 and baseline.repeats == 3
+    assert baseline.reference_code is not None, "step_overhead is held to the reference code run where CI checks"
 
 
 @pytest.mark.parametrize("name", ["summary.json", "config.json", "environment.json"])

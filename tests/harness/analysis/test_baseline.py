@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shlex
 import statistics
+import subprocess
+from pathlib import Path
 
 import click
 import pytest
@@ -157,6 +159,23 @@ def test_diff_says_what_changed_between_two_baselines(reference, tmp_path):
     row = next(line for line in lines if "| dilocox" in line and "step_overhead" in line)
     assert "+10.00%" in row
     assert all("+0.00%" in line for line in lines if "| allreduce" in line)
+
+
+def test_reference_code_is_written_as_a_full_commit_and_a_bad_one_writes_nothing(reference, tmp_path):
+    results, _ = reference
+    repo = Path(__file__).resolve().parents[3]
+    head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    head = head.stdout.strip()
+    out = tmp_path / "baseline.yaml"
+    made = CliRunner().invoke(main, ["baseline", str(results), "--out", str(out), "--reference-code", "HEAD"])
+    assert made.exit_code == 0, made.output
+    assert load_baseline(out).reference_code == head and f"reference_code: {head}\n" in out.read_text()
+    assert regeneration_command(out.read_text()).endswith(f"--out {out} --reference-code {head}")
+    other = tmp_path / "other.yaml"
+    bad = CliRunner().invoke(main, ["baseline", str(results), "--out", str(other), "--reference-code", "no-such"])
+    assert bad.exit_code == 2 and "'no-such' names no commit of" in bad.output and not other.exists()
+    changed = CliRunner().invoke(main, ["baseline", "--diff", str(reference[1]), str(out)])
+    assert f"- reference_code: None -> '{head}'" in changed.output
 
 
 def test_diff_reads_a_baseline_of_the_former_format(reference, tmp_path):

@@ -11,7 +11,16 @@ from harness.analysis.bands import load_baseline, load_stored_runs
 from harness.analysis.gate import evaluate
 from harness.analysis.project import LinkModel, default_window_bytes, schedule
 from harness.analysis.sweep import build_config
-from tests.harness.analysis.repeats import COMPUTE_S, OPTIONS, REPEATS, check, fake_run, verdicts, write_repeats
+from tests.harness.analysis.repeats import (
+    COMPUTE_S,
+    OPTIONS,
+    REFERENCE,
+    REPEATS,
+    check,
+    fake_run,
+    verdicts,
+    write_repeats,
+)
 from tests.harness.fakeruns import damage
 
 BANDS = 21  # five metrics for each method that communicates, step overhead and loss for local, less UNGATED's one
@@ -193,3 +202,83 @@ def test_an_unreadable_run_folder_is_one_sentence_naming_it_and_exit_2(reference
     assert " ".join(out.output.split()) == (
         f"error: {bad}: {why}; run it again (resuming its sweep redoes it) or remove its run folder"
     )
+
+
+# --- step_overhead against the reference code run on the same machine (harness/analysis/reference_code.py) ---------
+
+FAKE_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+ANOTHER_CPU = 1.2  # every method's step overhead on a machine whose CPU weighs compression differently
+
+
+def _with_reference_code(path, tmp_path):
+    named = tmp_path / "baseline.yaml"
+    named.write_text(path.read_text() + f"reference_code: {FAKE_COMMIT}\n")
+    return named
+
+
+def _on_another_cpu(root, changes=None):
+    """Runs whose step overhead is ANOTHER_CPU x the reference's (x `changes` for a regression)."""
+    shifted = {m: (ANOTHER_CPU, 1, 1) for m in REFERENCE}
+    for method, (overhead, payload, loss) in (changes or {}).items():
+        shifted[method] = (ANOTHER_CPU * overhead, payload, loss)
+    return write_repeats(root, shifted)
+
+
+def _sweep_folder(root):
+    """`root` as a check's --out folder holds its reference code's runs: a sweep folder of its own."""
+    (root / "sweep.json").write_text(json.dumps({"settings": {}, "command": None}))
+    return root
+
+
+def test_another_cpu_fails_the_stored_step_overhead_but_holds_against_the_reference_code_run_there(reference, tmp_path):
+    _, path = reference
+    named = _with_reference_code(path, tmp_path)
+    results = _on_another_cpu(tmp_path / "results")
+    stored = check("--baseline", named, "--results", results, "--stored-references")
+    assert stored.exit_code == 1
+    assert {metric for _, metric in failing(stored.output)} == {"step_overhead"}
+    here = _on_another_cpu(tmp_path / "reference-code" / "runs")
+    out = check("--baseline", named, "--results", results, "--reference-results", _sweep_folder(here.parent))
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "step_overhead: each band centred on the reference code (0123456789ab) run on this machine" in text
+    assert "dilocox +20.0%" in text and f"{REPEATS} vs {REPEATS}" in out.output
+
+
+def test_a_step_15pct_slower_than_the_reference_code_on_the_same_machine_fails(reference, tmp_path):
+    """The regression the stored band would miss on a machine 20% the other way."""
+    _, path = reference
+    named = _with_reference_code(path, tmp_path)
+    check_out = tmp_path / "check"
+    _on_another_cpu(check_out / "runs", {"dilocox": (1.15, 1, 1)})
+    _sweep_folder(check_out)
+    _sweep_folder(_on_another_cpu(check_out / "reference-code" / "runs").parent)
+    out = check("--baseline", named, "--results", check_out)  # the reference code's runs found beside them
+    assert out.exit_code == 1, out.output
+    assert failing(out.output) == {("dilocox", "step_overhead"): "ABOVE"}
+    assert "(+15.0% from the reference" in " ".join(out.output.split())
+
+
+def test_without_the_reference_codes_runs_a_method_is_missing_and_without_any_the_stored_references_hold(
+    reference, tmp_path
+):
+    _, path = reference
+    named = _with_reference_code(path, tmp_path)
+    results = write_repeats(tmp_path / "results")
+    here = tmp_path / "reference-code"
+    for i in range(3):
+        fake_run(here / "runs", f"ar{i}", "allreduce", 1.1, 3420.0, 3.662)
+    out = check("--baseline", named, "--results", results, "--reference-results", _sweep_folder(here))
+    assert out.exit_code == 1
+    found = verdicts(out.output)
+    assert found[("dilocox", "step_overhead")] == "MISSING" and found[("allreduce", "step_overhead")] == "holds"
+    assert "no step_overhead of the reference code's dilocox runs on this machine" in out.output
+    alone = check("--baseline", named, "--results", results)
+    assert alone.exit_code == 0, alone.output
+    assert "step_overhead is held to the stored references" in " ".join(alone.output.split())
+
+
+def test_reference_results_without_results_is_a_usage_error(reference, tmp_path):
+    _, path = reference
+    out = check("--baseline", path, "--reference-results", tmp_path)
+    assert out.exit_code == 2 and "--reference-results goes with --results" in out.output
