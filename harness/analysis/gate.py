@@ -20,8 +20,18 @@ divides out the machine's speed within the run itself (what is measured of a run
                                                                          method does not count
     final_val_loss           the last evaluation's loss, fixed seed      loss: the update, the data or the numerics
 
+One of them does move with the machine's kind of CPU: step_overhead weighs a method's compression (memory-bound)
+against its forward and backward (compute-bound), and two hosts of the pool CI draws from read CocktailSGD's 2.25 and
+1.76 with the same code. So a baseline may name `reference_code`, a commit of this repository: `harness check` then
+makes the same runs with that commit's code on the machine it checks, method by method in turn with the checkout's
+(so both meet the same CPU and the same load), and centres each step_overhead band on their median in place of the
+stored reference (harness/analysis/reference_code.py); the band's tolerance is unchanged, and the table's reference
+column shows the value measured there. A 15% slower step is then 15% above what the known code does on that very
+machine, whatever machine it is. --stored-references holds the band to the file's reference instead.
+
 The baseline file (YAML):
 
+    reference_code: 4715d0bc...          # optional: the commit whose runs on the checking machine centre step_overhead
     run:                                 # the settings of every run (any sweep setting); `harness check` makes its
       model: tiny                        # runs with them, and refuses --results runs made with others (another
       steps: 40                          # step count, seed, batch size, method option, ...)
