@@ -31,7 +31,8 @@ def test_the_committed_studies_give_the_documented_pairs():
     )
     # The frontier's reduce runs pair with the bf16 study's gather runs (training is deterministic here).
     for folders in (["exchange-loss-bf16-2000"], ["exchange-fixed-pair-2000"],
-                    ["exchange-loss-bf16-2000", "exchange-reduce-frontier-2000"]):  # fmt: skip
+                    ["exchange-loss-bf16-2000", "exchange-reduce-frontier-2000"],
+                    ["exchange-loss-bf16-2000", "exchange-reduce-int4-2000"]):  # fmt: skip
         recomputed = table(*folders)
         assert recomputed.returncode == 0, recomputed.stderr
         assert recomputed.stdout == (REFERENCE / folders[-1] / "loss.md").read_text()
@@ -52,6 +53,13 @@ def test_studies_with_a_gather_of_their_own_pair_with_one_named_gather():
         in (rows[1])
     )
     assert "| 1.521 +- 0.027 | 0.24% +- 0.19% | 12.0 | 32.0 |" in rows[2]
+
+
+def test_the_int4_reduce_at_h48_ends_below_the_default_gather_at_fewer_bytes():
+    """docs/studies.md and README: -1.39% +- 0.31% at 10.7 against the gather's 11.6 B/token."""
+    rows = (REFERENCE / "exchange-reduce-int4-2000" / "loss.md").read_text().splitlines()
+    h48 = next(row for row in rows if row.startswith("| dilocox@int4r64h48 |"))
+    assert "| 1.496 +- 0.031 | -1.39% +- 0.31% | 10.7 | 42.0 |" in h48
 
 
 def test_two_folders_holding_the_same_variant_and_seed_are_refused():
