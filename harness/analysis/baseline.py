@@ -270,10 +270,10 @@ def baseline_text(derived: Derived, out: Path) -> str:
     if baseline.reference_code:
         on_machine = " and ".join(m.name for m in METRICS.values() if m.on_machine)
         text = textwrap.wrap(
-            f"{on_machine} moves with the kind of CPU, so `harness check` runs the same runs with the code of "
+            f"{on_machine} move with the kind of CPU, so `harness check` runs the same runs with the code of "
             f"reference_code (a commit of this repository) on the machine it checks, in turn with the checkout's, "
-            "and centres that band on what they measure there; the references below are those of the machines named "
-            "above (--stored-references holds the band to them).",
+            "and centres those bands on what they measure there; the references below are those of the machines named "
+            "above (--stored-references holds the bands to them).",
             112,
         )
         lines += [*(f"# {line}" for line in text), "#"]

@@ -3,7 +3,9 @@
 A step's own time over its forward and backward (step_overhead) is the same on a faster or a busier machine of one
 kind, but not across CPUs: a memory-bound compression weighs differently against a compute-bound forward and
 backward on another processor (CocktailSGD read 2.25 on one host of the pool CI draws from and 1.76 on another with
-the same code, DeMo 1.30 and 1.42). A reference stored from one machine cannot hold that metric on the next. So a
+the same code, DeMo 1.30 and 1.42), and the link wait's residual over the link model's prediction moves with how
+the host overlaps compute and sends (DiLoCoX's 0.970 on one host, 0.923-0.929 on another, same code). A reference
+stored from one machine cannot hold such a metric on the next. So a
 baseline may name a commit (`reference_code:`), and `harness check` makes the same runs with that commit's code on
 the machine it checks, method by method in turn with the checkout's runs, and holds the checkout to what the known
 code measured there (harness/analysis/gate.py).
@@ -59,7 +61,7 @@ def extract(commit: str, dest: Path, repo: Path = CHECKOUT) -> Path:
     if listed.returncode != 0:
         raise BaselineError(
             f"the baseline's reference code {commit[:12]} is not in the history of {repo} (a shallow clone?); fetch "
-            "it (git fetch --unshallow), or pass --stored-references to hold step_overhead to the stored references"
+            "it (git fetch --unshallow), or pass --stored-references to hold every band to the stored references"
         )
     present = set(listed.stdout.decode().split())
     paths = [p for p in CODE_PATHS if p in present]
@@ -87,5 +89,5 @@ def run_reference(
         if done.returncode != 0:
             raise BaselineError(
                 f"the reference code's sweep ({commit[:12]}: {shlex.join(words)}) exited {done.returncode}; its "
-                f"runs are in {out}, and --stored-references holds step_overhead to the stored references instead"
+                f"runs are in {out}, and --stored-references holds every band to the stored references instead"
             )

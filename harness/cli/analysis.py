@@ -236,7 +236,7 @@ def plot(results, out):
 @click.option(
     "--stored-references",
     is_flag=True,
-    help="Hold step_overhead to the baseline file's references instead of running its reference_code here.",
+    help="Hold every band to the baseline file's references instead of running its reference_code here.",
 )
 def check(baseline, results, repeats, out, reference_results, stored_references):
     """Exit 1 when a metric falls outside its band in the baseline; 0 when all hold; 2 on a bad baseline.
@@ -247,7 +247,7 @@ def check(baseline, results, repeats, out, reference_results, stored_references)
     holds when reference / (1 + tolerance) <= measured <= reference x (1 + tolerance). Each band that does not hold
     is printed with its likely cause (compute, link, bytes, loss). Where the baseline names reference_code (a git
     commit), the same runs are made with that code on this machine, in turn with this checkout's, and step_overhead
-    (which moves with the kind of CPU) is centred on what they measure here.
+    and step_time_residual (which move with the kind of CPU) are centred on what they measure here.
     """
     import tempfile
 
@@ -272,7 +272,7 @@ def check(baseline, results, repeats, out, reference_results, stored_references)
     if spec.reference_code and reference_dir is None and not stored_references:
         print_text(
             "note: no runs of the baseline's reference code beside these results (--reference-results), so "
-            "step_overhead is held to the stored references, measured on another machine"
+            "step_overhead and step_time_residual are held to the stored references, measured on another machine"
         )
     outcomes = gate.check(spec, [results], reference_dir)
     click.echo(gate.results_table(outcomes))

@@ -18,6 +18,7 @@ from tests.harness.analysis.repeats import (
     REPEATS,
     check,
     fake_run,
+    step_seconds,
     verdicts,
     write_repeats,
 )
@@ -241,8 +242,13 @@ def test_another_cpu_fails_the_stored_step_overhead_but_holds_against_the_refere
     out = check("--baseline", named, "--results", results, "--reference-results", _sweep_folder(here.parent))
     assert out.exit_code == 0, out.output
     text = " ".join(out.output.split())
-    assert "step_overhead: each band centred on the reference code (0123456789ab) run on this machine" in text
-    assert "dilocox +20.0%" in text and f"{REPEATS} vs {REPEATS}" in out.output
+    centred = "step_overhead, step_time_residual: each band centred on the reference code (0123456789ab) run on"
+    assert centred in text and f"{REPEATS} vs {REPEATS}" in out.output
+    shifts = text.split("against the stored references: ")[1].split(" 21 of 21")[0]
+    by_metric = dict(part.split(" ", 1) for part in shifts.split("; "))
+    assert "dilocox +20.0%" in by_metric["step_overhead"]
+    assert set(by_metric) == {"step_overhead", "step_time_residual", "payload_bytes_per_token", "wire_overhead",
+                              "final_val_loss"}  # fmt: skip
 
 
 def test_a_step_15pct_slower_than_the_reference_code_on_the_same_machine_fails(reference, tmp_path):
@@ -275,10 +281,62 @@ def test_without_the_reference_codes_runs_a_method_is_missing_and_without_any_th
     assert "no step_overhead of the reference code's dilocox runs on this machine" in out.output
     alone = check("--baseline", named, "--results", results)
     assert alone.exit_code == 0, alone.output
-    assert "step_overhead is held to the stored references" in " ".join(alone.output.split())
+    assert "step_overhead and step_time_residual are held to the stored references" in " ".join(alone.output.split())
 
 
 def test_reference_results_without_results_is_a_usage_error(reference, tmp_path):
     _, path = reference
     out = check("--baseline", path, "--reference-results", tmp_path)
     assert out.exit_code == 2 and "--reference-results goes with --results" in out.output
+
+
+# --- step_time_residual against the reference code run on the same machine ---------------------------------------
+
+HOST_RESIDUAL_SHIFT = 0.06  # a host whose DiLoCoX waits 6% of a step less than the link model says (0.970 -> ~0.91)
+
+
+def _dilocox_on_a_host_that_waits_less(root, extra_wait_s=0.0):
+    """Every method's repeats, DiLoCoX's waiting HOST_RESIDUAL_SHIFT of its step less on the link (+ extra_wait_s)."""
+    write_repeats(root)
+    step_s, blocked_s = step_seconds("dilocox", "10mbps", OPTIONS["dilocox"], COMPUTE_S, REFERENCE["dilocox"][0])
+    exposed_s = blocked_s - HOST_RESIDUAL_SHIFT * step_s + extra_wait_s
+    assert exposed_s > 0
+    for run in root.glob("dilocox-*"):
+        shutil.rmtree(run)
+    for i in range(REPEATS):
+        fake_run(root, f"dilocox-r{i}", "dilocox", *REFERENCE["dilocox"], exposed_s=exposed_s)
+    return root
+
+
+def test_a_host_whose_link_wait_reads_lower_fails_the_stored_residual_but_holds_against_the_reference_code(
+    reference, tmp_path
+):
+    """CI's failure on an unchanged main: DiLoCoX's residual 4.5% below the stored reference on another host, the
+    reference code's runs there reading the same."""
+    _, path = reference
+    named = _with_reference_code(path, tmp_path)
+    results = _dilocox_on_a_host_that_waits_less(tmp_path / "results")
+    stored = check("--baseline", named, "--results", results, "--stored-references")
+    assert stored.exit_code == 1
+    assert failing(stored.output) == {("dilocox", "step_time_residual"): "BELOW"}
+    here = _dilocox_on_a_host_that_waits_less(tmp_path / "reference-code" / "runs")
+    out = check("--baseline", named, "--results", results, "--reference-results", _sweep_folder(here.parent))
+    assert out.exit_code == 0, out.output
+    shifts = " ".join(out.output.split()).split("against the stored references: ")[1]
+    residual = next(part for part in shifts.split("; ") if part.startswith("step_time_residual"))
+    assert float(residual.split("dilocox ")[1].split("%")[0]) < -5
+
+
+def test_an_exchange_no_longer_hidden_on_that_host_fails_against_the_reference_code_run_there(reference, tmp_path):
+    """The regression the residual is for, on the host where the stored band would sit 6% too high."""
+    _, path = reference
+    named = _with_reference_code(path, tmp_path)
+    config = build_config("dilocox", "10mbps", 0, {"steps": 40, **OPTIONS["dilocox"]})
+    plan = schedule(config, LinkModel.of(config.profile, 2, window_bytes=default_window_bytes()))
+    check_out = tmp_path / "check"
+    _dilocox_on_a_host_that_waits_less(check_out / "runs", extra_wait_s=plan.exchange_s / plan.every_steps)
+    _sweep_folder(check_out)
+    _sweep_folder(_dilocox_on_a_host_that_waits_less(check_out / "reference-code" / "runs").parent)
+    out = check("--baseline", named, "--results", check_out)
+    assert out.exit_code == 1, out.output
+    assert failing(out.output) == {("dilocox", "step_time_residual"): "ABOVE"}
