@@ -13,7 +13,7 @@
 # make 40 rounds.
 set -euo pipefail
 out=${1:-results/reference}
-common=(--profiles unshaped --seeds 0,1,2 --model tiny --steps 2000 --eval-every 100 --local-steps 50)
+common=(--profiles unshaped --seeds 0,1,2 --model tiny --steps 2000 --eval-every 100 --set local_steps=50)
 
 # AllReduce, OpenDiLoCo, and DiLoCoX in every overlap mode at the paper's outer settings (lr 0.7, momentum 0.9),
 # with adaptive and with fixed compression.
@@ -22,13 +22,13 @@ harness sweep --methods allreduce,opendiloco,dilocox "${common[@]}" \
 
 # The paper's delayed update at outer settings inside its stability region (lr 0.4, momentum 0.5; docs/studies.md, "DiLoCoX convergence").
 harness sweep --methods dilocox "${common[@]}" --set overlap=delayed --set adaptive=true,false \
-    --method-set dilocox:outer_lr=0.4 --method-set dilocox:outer_momentum=0.5 --out "$out/convergence-tiny-stable"
+    --set dilocox.outer_lr=0.4 --set dilocox.outer_momentum=0.5 --out "$out/convergence-tiny-stable"
 
 # A shifting data stream: every 50 steps each replica's shard moves to another part of the corpus, so consecutive
 # rounds' averages need not point the same way (the delayed update's assumption). One seed (n=1): what a 2-core
 # machine had time for next to the sweeps above.
 harness sweep --methods allreduce,dilocox --profiles unshaped --seeds 0 --model tiny --steps 2000 --eval-every 100 \
-    --local-steps 50 --data-shift 50 --set overlap=none,delayed,eager --out "$out/convergence-tiny-shift"
+    --set local_steps=50 --data-shift 50 --set overlap=none,delayed,eager --out "$out/convergence-tiny-shift"
 
 # Does compression cost the gap to AllReduce? The default overlap (streaming) at twice the rank (r_1 = 64, above
 # the 40-60 the estimator reads in the runs above), int4 and int8.
@@ -53,7 +53,7 @@ harness report "$out/convergence-tiny" "$out/convergence-tiny-rank64" "$out/conv
 # (streaming, r_1 = 32, one power iteration, adaptive), r_1 = 64, and r_1 = 64 with two power iterations. 1,000 steps,
 # 2 seeds, H = 50 (20 rounds). Two sequences per replica per step (1,024 tokens a step over both sites), so that the
 # ten runs fit in ~1.5-2 hours on 2 cores (~0.55 s a step).
-small=(--profiles unshaped --seeds 0,1 --model small --steps 1000 --batch-size 2 --eval-every 100 --local-steps 50)
+small=(--profiles unshaped --seeds 0,1 --model small --steps 1000 --batch-size 2 --eval-every 100 --set local_steps=50)
 harness sweep --methods allreduce,opendiloco,dilocox "${small[@]}" --out "$out/convergence-small"
 harness sweep --methods dilocox "${small[@]}" --set rank=64 --out "$out/convergence-small-rank64"
 harness sweep --methods dilocox "${small[@]}" --set rank=64 --set power_iterations=2 --out "$out/convergence-small-power2"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""DiLoCoX's two exchanges on final validation loss, paired per seed with the gather (`--exchange gather`).
+"""DiLoCoX's two exchanges on final validation loss, paired per seed with the gather (`--set exchange=gather`).
 
 Reads one or more sweep folders of dilocox runs (variants labelled as `harness sweep` labels them: dilocox,
 dilocox@int8, ...) and prints one markdown table: per variant the options that differ from the gather's (for the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Wire bytes per site per round of DiLoCoX's two exchanges against the number of sites, from the kernel's counters.
 
-Reads the runs of a sweep over --set clusters=... --set exchange=gather,reduce at a fixed rank (--no-adaptive, so
+Reads the runs of a sweep over --set clusters=... --set exchange=gather,reduce at a fixed rank (--set adaptive=false, so
 every round sends the same payload) and prints one markdown table: per exchange and site count, the bytes each site's
 uplink carried per round (the kernel's counter over the run / sites / rounds), that over the 2-site figure, and the
 growth the collective's law predicts from 2 sites: (n - 1) for the gather, 2(n - 1)/n / 1 for the ring all-reduces.

@@ -70,12 +70,12 @@ class Injection:
 INJECTIONS = (
     Injection(
         "dilocox-step-15pct-slower", "dilocox", "step_overhead",
-        (Edit("trainers/dilocox.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
+        (Edit("trainers/methods/dilocox.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
         "DiLoCoX's step sleeps 15% of its own time",
     ),
     Injection(
         "dilocox-overlap-lost", "dilocox", "step_time_residual",
-        (Edit("trainers/dilocox.py", "            self.sending = self._send()\n", "            pass\n"),),
+        (Edit("trainers/methods/dilocox.py", "            self.sending = self._send()\n", "            pass\n"),),
         "streaming no longer starts the exchange tau steps early: it is sent at the round's end and waited for",
     ),
     Injection(
@@ -88,7 +88,7 @@ INJECTIONS = (
                 "    gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]\n",
             ),
             Edit(
-                "trainers/compression.py",
+                "trainers/compression/compressors.py",
                 "    sizes = [compressor.payload_nbytes(shape) for shape in shapes]\n",
                 "    sizes = [compressor.payload_nbytes(shape) for shape in shapes]\n"
                 "    gathered = [buffer[: sum(sizes)] for buffer in gathered]\n",
@@ -109,7 +109,7 @@ INJECTIONS = (
     ),
     Injection(
         "demo-step-15pct-slower", "demo", "step_overhead",
-        (Edit("trainers/demo.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
+        (Edit("trainers/methods/demo.py", "    def step(self, step: int) -> SyncReport | None:\n", SLOWER_STEP),),
         "DeMo's step sleeps 15% of its own time",
     ),
 )  # fmt: skip

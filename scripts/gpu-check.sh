@@ -20,7 +20,7 @@ h() { timeout 150 python3 -m harness.cli "$@"; }
   HARNESS_DIST_BACKEND=gloo h run --profile 1gbps --method allreduce --model small --steps 30 --eval-every 10 \
     --out "$work/ar-gloo" 2>&1 | tail -9
   echo "== dilocox, small, CUDA tensors over gloo"
-  HARNESS_DIST_BACKEND=gloo h run --profile 1gbps --method dilocox --model small --steps 60 --local-steps 10 \
+  HARNESS_DIST_BACKEND=gloo h run --profile 1gbps --method dilocox --model small --steps 60 --set local_steps=10 \
     --eval-every 20 --out "$work/dx-gloo" 2>&1 | tail -9
   for d in cal-nccl ar-nccl ar-gloo dx-gloo; do
     echo "== $d summary"; cat "$work/$d/summary.json" 2>/dev/null

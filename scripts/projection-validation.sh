@@ -9,10 +9,10 @@ out=${1:-results/reference}
 v="$out/projection-validation"
 methods=allreduce,opendiloco,cocktail,dilocox
 harness sweep --methods $methods --profiles unshaped --seeds 0,1,2 --model tiny --steps 60 --eval-every 30 \
-    --local-steps 10 --out "$v/compute-tiny"
+    --set local_steps=10 --out "$v/compute-tiny"
 harness sweep --methods $methods --profiles unshaped --seeds 0 --model small --steps 30 --eval-every 30 \
-    --local-steps 10 --out "$v/compute-small"
+    --set local_steps=10 --out "$v/compute-small"
 harness sweep --methods $methods --profiles 100mbps,wan-100mbps-40ms-rtt,wan-100mbps-160ms-rtt \
-    --link-emulator userspace --seeds 0 --model small --steps 30 --eval-every 30 --local-steps 10 --out "$v/small"
+    --link-emulator userspace --seeds 0 --model small --steps 30 --eval-every 30 --set local_steps=10 --out "$v/small"
 harness project --validate "$out/wan-latency-tiny" --validate "$v/small" \
     --compute-from "$v/compute-tiny" --compute-from "$v/compute-small" --csv "$v/validation.csv" >"$v/validation.md"

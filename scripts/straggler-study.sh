@@ -7,6 +7,6 @@ set -euo pipefail
 out=${1:-results/reference}
 harness sweep --methods allreduce,opendiloco,cocktail,dilocox \
     --profiles 1gbps,straggler-1gbps-one-site-100mbps --clusters 4 \
-    --seeds 0,1,2 --model tiny --steps 60 --eval-every 30 --local-steps 10 --out "$out/straggler-tiny"
+    --seeds 0,1,2 --model tiny --steps 60 --eval-every 30 --set local_steps=10 --out "$out/straggler-tiny"
 harness report "$out/straggler-tiny" --csv "$out/straggler-tiny/comparison.csv" >"$out/straggler-tiny/report.md"
 harness plot "$out/straggler-tiny" --out "$out/straggler-tiny/figures"

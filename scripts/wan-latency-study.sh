@@ -7,6 +7,6 @@ set -euo pipefail
 out=${1:-results/reference}
 harness sweep --methods allreduce,opendiloco,cocktail,dilocox \
     --profiles 100mbps,wan-100mbps-40ms-rtt,wan-100mbps-160ms-rtt --link-emulator userspace \
-    --seeds 0,1,2 --model tiny --steps 60 --eval-every 30 --local-steps 10 --out "$out/wan-latency-tiny"
+    --seeds 0,1,2 --model tiny --steps 60 --eval-every 30 --set local_steps=10 --out "$out/wan-latency-tiny"
 harness report "$out/wan-latency-tiny" --csv "$out/wan-latency-tiny/comparison.csv" >"$out/wan-latency-tiny/report.md"
 harness plot "$out/wan-latency-tiny" --out "$out/wan-latency-tiny/figures"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainers.compression import Quantized, dequantize, quantize, quantized_nbytes
+from trainers.compression.quantize import Quantized, dequantize, quantize, quantized_nbytes
 
 
 def allreduce_payload_bytes(nbytes: int, n: int) -> int:

@@ -65,11 +65,11 @@ class InnerOptimizer:
 def validate_outer(local_steps: int, outer_lr: float, outer_momentum: float) -> None:
     """The DiLoCo family's round length and outer optimizer, checked with the flags' names."""
     if local_steps < 1:
-        raise ValueError(f"--local-steps must be at least 1, got {local_steps}")
+        raise ValueError(f"local_steps must be at least 1, got {local_steps}")
     if not 0 < outer_lr < math.inf:
-        raise ValueError(f"--outer-lr must be a positive finite number, got {outer_lr}")
+        raise ValueError(f"outer_lr must be a positive finite number, got {outer_lr}")
     if not 0 <= outer_momentum < 1:
-        raise ValueError(f"--outer-momentum must be in [0, 1), got {outer_momentum}")
+        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
 
 
 class OuterOptimizer:

@@ -1,8 +1,9 @@
 """Method names -> their classes. The one list of what `--method` accepts.
 
-Adding a method takes two files: `trainers/<name>.py`, holding its config dataclass and its `Method` subclass (whose
-`config_class` names the config), and one line here. The CLI's flags, sweeps and baselines find its options from the
-config's fields. Modules are imported on first use, so listing the names costs nothing (no torch).
+Adding a method takes two files: `trainers/methods/<name>.py`, holding its config dataclass and its `Method` subclass
+(whose `config_class` names the config), and one line here. Its settings (`--set`, `harness methods`, sweeps and
+baselines) are the config's fields, each documented where it is declared (`metadata["help"]`). Modules are
+imported on first use, so listing the names costs nothing (no torch).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ if TYPE_CHECKING:
     from trainers.method import Method, MethodContext
 
 METHODS: dict[str, str] = {
-    "allreduce": "trainers.allreduce:AllReduce",
-    "opendiloco": "trainers.opendiloco:OpenDiLoCo",
-    "cocktail": "trainers.cocktail:Cocktail",
-    "dilocox": "trainers.dilocox:DiLoCoX",
-    "sparseloco": "trainers.sparseloco:SparseLoCo",
-    "local": "trainers.local:Local",
-    "demo": "trainers.demo:DeMo",
+    "allreduce": "trainers.methods.allreduce:AllReduce",
+    "opendiloco": "trainers.methods.opendiloco:OpenDiLoCo",
+    "cocktail": "trainers.methods.cocktail:Cocktail",
+    "dilocox": "trainers.methods.dilocox:DiLoCoX",
+    "sparseloco": "trainers.methods.sparseloco:SparseLoCo",
+    "local": "trainers.methods.local:Local",
+    "demo": "trainers.methods.demo:DeMo",
 }
 
 
@@ -46,7 +47,7 @@ def option_names(name: str) -> frozenset[str]:
 
 
 class MethodOption(NamedTuple):
-    """A method config field as one flag, reconciled across the methods that have it."""
+    """A method config field by name, reconciled across the methods that have it."""
 
     kind: Any  # the field's type; Optional where one of the methods also accepts None
     defaults: dict[str, Any]  # method -> its default
@@ -58,10 +59,10 @@ class MethodOption(NamedTuple):
 
 
 def method_options() -> dict[str, MethodOption]:
-    """Every method config field, once, by name; what the CLI's flags and sweeps' keys are made from.
+    """Every method config field, once, by name: what sweeps' keys and the refusal of an old flag are made from.
 
     A field that several methods share must have one type, except that one method may also accept None
-    (e.g. cocktail's --bits none): the flag then accepts 'none' and the method that refuses it says so.
+    (e.g. cocktail's bits=none): the setting then accepts 'none' and the method that refuses it says so.
     """
     options: dict[str, MethodOption] = {}
     for name in method_names():
@@ -94,19 +95,49 @@ def _strip_none(kind: Any) -> Any:
 
 
 def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
-    """The validated config of method `name`; options that the method does not have are refused by name."""
+    """The validated config of method `name`; options that the method does not have, or of the wrong type, are
+    refused by name. Values may come as --set reads them (the string "none" switches an optional setting off; an
+    int where a float is due is that float); None means "not set"."""
     config_cls = method_class(name).config_class
-    # None means "not set"; the string "none" is how a user turns an optional setting off (e.g. --bits none).
-    options = {k: None if v == "none" else v for k, v in (options or {}).items() if v is not None}
-    fields = {f.name for f in dataclasses.fields(config_cls)}
-    unknown = sorted(set(options) - fields)
+    hints = typing.get_type_hints(config_cls)
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    unknown = sorted(set(options) - set(hints))
     if unknown:
-        flags = ", ".join("--" + k.replace("_", "-") for k in unknown)
         raise ValueError(
-            f"{flags} does not apply to method {name!r}; its options are: "
-            f"{', '.join('--' + f.replace('_', '-') for f in sorted(fields)) or 'none'}"
+            f"{', '.join(unknown)} {'is not a setting' if len(unknown) == 1 else 'are not settings'} of {name}; "
+            f"its settings are: {', '.join(f.name for f in dataclasses.fields(config_cls)) or 'none'}"
         )
-    return config_cls(**options)
+    return config_cls(**{key: _checked(name, key, hints[key], value) for key, value in options.items()})
+
+
+def _checked(method: str, key: str, kind: Any, value: Any) -> Any:
+    """`value` as field `key` of type `kind` holds it, or a ValueError naming the setting and what it takes."""
+    optional = _optional(kind)
+    if isinstance(value, str) and value.lower() == "none" and optional:
+        return None
+    kind = _strip_none(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        choices = typing.get_args(kind)
+        # Not a string: a run recorded before the setting became a choice (dilocox's overlap was a switch), which
+        # the config's own check reads or refuses.
+        if not isinstance(value, str) or value in choices:
+            return value
+        wanted = f"one of {', '.join(choices)}"
+    elif kind is bool:
+        if isinstance(value, bool):
+            return value
+        wanted = "true or false"
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        wanted = "a whole number" + (" or none" if optional else "")
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        wanted = "a number"
+    else:
+        return value
+    raise ValueError(f"{method}'s setting {key} takes {wanted}, got {value!r}")
 
 
 def recorded_options(config: Any) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """What DiLoCoX measures of each round besides its bytes: the compression error's two bounds and the outer-step
-monitor. Pure functions of tensors; trainers/dilocox.py reports them per sync (the train loop prefixes `sync_`).
+monitor. Pure functions of tensors; trainers/methods/dilocox.py reports them per sync (the train loop prefixes `sync_`).
 
 omega2_paper is the paper's bound on the squared relative compression error (Lemma 3.6 as the public review quotes
 it), 1 - (r/d) 2^-q, and omega2_corrected is (sqrt(1 - r/d) + 2^(-q/2))^2, the triangle inequality over the rank-r
@@ -23,7 +23,9 @@ from collections.abc import Sequence
 import torch
 
 from trainers.comm import flatten
-from trainers.compression import goes_as_factors, relative_error
+from trainers.compression.error_feedback import relative_error
+from trainers.compression.lowrank import goes_as_factors
+from trainers.compression.shapes import matrix_shape
 
 
 def omega2_bounds(sent_rank: int, dim: int, bits: int) -> tuple[float, float]:
@@ -38,7 +40,7 @@ def weighted_omega2(compensated: Sequence[torch.Tensor], rank: int, bits: int) -
     for c in compensated:
         # The compressor's own rule for what goes as factors (r = min(r_t, d) of d = min(m, n)); a tensor sent
         # whole is only quantized: r / d = 1.
-        dim = min(c.shape[0], c[0].numel()) if c.ndim >= 2 else 1
+        dim = min(matrix_shape(c.shape)) if c.ndim >= 2 else 1
         sent_rank = min(rank, dim) if goes_as_factors(c.shape, rank) else dim
         weights.append(float(c.double().pow(2).sum()))
         bounds.append(omega2_bounds(sent_rank, dim, bits))

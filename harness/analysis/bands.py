@@ -26,6 +26,7 @@ from harness.net.link import ProfileError
 from harness.net.profiles import known_profiles, load_profile
 from harness.run.config import check_method_options
 from harness.run.folder import RunPaths, find_run_dirs, read_config, read_environment, read_summary
+from harness.run.settings import format_value as format_setting
 from trainers.registry import METHODS
 
 DEFAULT_REPEATS = 3
@@ -318,12 +319,6 @@ def needed_runs(
     ]
 
 
-def _flag_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "none" if value is None else str(value)
-
-
 def sweep_command(
     baseline: Baseline,
     out: str,
@@ -343,11 +338,11 @@ def sweep_command(
         words += ["--seeds", str(baseline.seed), "--repeats", str(repeats or baseline.repeats)]
         for key, value in baseline.settings.items():
             if key in SWEEP_FLAGS:
-                words += [f"--{key.replace('_', '-')}", _flag_value(value)]
+                words += [f"--{key.replace('_', '-')}", format_setting(value)]
             else:
-                words += ["--set", f"{key}={_flag_value(value)}"]
+                words += ["--set", f"{key}={format_setting(value)}"]
         for method, options in baseline.method_options.items():
-            words += [w for k, v in options.items() for w in ("--method-set", f"{method}:{k}={_flag_value(v)}")]
+            words += [w for k, v in options.items() for w in ("--set", f"{method}.{k}={format_setting(v)}")]
         words += [*(["--force"] if force else []), "--out", out]
         commands.append(shlex.join(words))
     return commands

@@ -139,7 +139,7 @@ def settings_notes(comparison: Comparison) -> list[str]:
         else "Steps per method (--method-steps): " + ", ".join(f"{m} {s}" for m, s in steps.items()) + "."
     ]
     fixed = [f"{m}: " + ", ".join(f"{k}={v}" for k, v in o.items()) for m, o in record["per_method"].items()]
-    lines.append("Per-method settings (--method-set): " + ("; ".join(fixed) if fixed else "none") + ".")
+    lines.append("Per-method settings (--set METHOD.KEY=VALUE): " + ("; ".join(fixed) if fixed else "none") + ".")
     lines.append("Synchronization: " + ", ".join(_cadence(m, c) for m, c in comparison.spec.cadences().items()) + ".")
     shared = {k: v for k, v in record["settings"].items() if k != "steps"}
     if shared:

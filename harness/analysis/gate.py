@@ -31,8 +31,9 @@ their median in place of the stored reference (harness/analysis/reference_code.p
 unchanged, and the table's reference column shows the value measured there. A 15% slower step, or an exchange no
 longer hidden, is then measured against what the known code does on that very machine, whatever machine it is.
 Bytes, wire overhead and loss do not move with the host (five checks on the second host: bytes and loss within
-0.05% of the stored references, wire overhead within 0.3%; docs/comparisons.md), so they stay on the stored references; the check prints how far this machine's reference-code runs
-read from the stored reference for every metric. --stored-references holds every band to the file's references.
+0.05% of the stored references, wire overhead within 0.3%; docs/comparisons.md), so they stay on the stored
+references; the check prints how far this machine's reference-code runs read from the stored reference for every
+metric. --stored-references holds every band to the file's references.
 
 The baseline file (YAML):
 

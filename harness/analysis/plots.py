@@ -6,12 +6,13 @@
                         n; error bars as the report's: the 95% interval of the mean (n >= 3), the range (n = 2)
     breakdown-<group>   where a training step's time goes: compute, communication the training thread waited for
                         (blocked), and communication that ran during compute (overlapped, hidden)
-    monitor-<group>     DiLoCoX's per-synchronization monitor (trainers/dilocox.py), only for a group with a run that
-                        logs it, and only its variants that do: against the synchronization round t, cosine(Delta_t,
-                        Delta_{t-1}); ||outer step|| / ||Delta_t||; the estimated rank and the chosen r_t, with H_t on
-                        a right axis; the measured compression error^2 beside omega^2 (paper) and omega^2 (corrected),
-                        dashed. Rank 0's events (cluster 0, stage 0), so each sync counts once; a variant's line is the
-                        mean over its n runs per round, with a ± 1 std band over rounds that two runs or more reach
+    monitor-<group>     DiLoCoX's per-synchronization monitor (trainers/methods/dilocox.py), only for a group with a run
+                        that logs it, and only its variants that do: against the synchronization round t,
+                        cosine(Delta_t, Delta_{t-1}); ||outer step|| / ||Delta_t||; the estimated rank and the chosen
+                        r_t, with H_t on a right axis; the measured compression error^2 beside omega^2 (paper) and
+                        omega^2 (corrected), dashed. Rank 0's events (cluster 0, stage 0), so each sync counts once; a
+                        variant's line is the mean over its n runs per round, with a ± 1 std band over rounds that two
+                        runs or more reach
     sites-<group>       per site and method: the time the site's replica waited on the link and the bytes its
                         uplink carried, only for groups with sites of different rates or more than two sites (the
                         report's per-site table), bars as the report's intervals
@@ -229,7 +230,8 @@ def breakdown_figure(group: pd.DataFrame, events: pd.DataFrame, colors: dict[str
     return fig
 
 
-# DiLoCoX's per-sync fields (trainers/dilocox.py's module doc), as the train loop logs them in step and finish events.
+# DiLoCoX's per-sync fields (trainers/methods/dilocox.py's module doc), as the train loop logs them in step and finish
+# events.
 # Measured when a round is sent, of that round:
 SENT_FIELDS = (
     "sync_rank_r",

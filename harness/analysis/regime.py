@@ -16,8 +16,8 @@ DiLoCoX overlaps its (compressed) communication with H local steps, so we take i
 ceiling X_c; then R = 3728 / 10.4 - 1 = 357.5. If DiLoCoX fell short of the ceiling, the true R would be larger,
 so 357.5 is a lower bound on how communication-bound the paper's AllReduce was.
 
-Here, AllReduce (trainers/allreduce.py) ring-all-reduces the fp32 gradient of every stage across the n clusters;
-each cluster's uplink carries, per step, in each direction (trainers/comm.py):
+Here, AllReduce (trainers/methods/allreduce.py) ring-all-reduces the fp32 gradient of every stage across the n
+clusters; each cluster's uplink carries, per step, in each direction (trainers/comm.py):
 
     P = 2 (n - 1) / n * 4 bytes * N_params            (summed over the cluster's pipeline stages)
     T_comm = 8 P / rate   =>   rate = 8 P / (R * T_c)

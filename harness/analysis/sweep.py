@@ -9,8 +9,8 @@ Layout of a sweep folder OUT:
     OUT/profiles/*.yaml      profiles the sweep derived itself (regime matching, harness/analysis/regime.py)
     OUT/.sweep.lock          while a sweep runs: its flock (and pid), so a second sweep into OUT refuses at once
 
-A run's name is ``<method>-<profile>-s<seed>`` followed by ``-<key>=<value>`` for each varied setting and ``-r<i>``
-for repeats.
+A run's name is ``<method>-<profile>-s<seed>`` followed by ``-<key>=<value>`` for each varied setting (one given
+several values) and ``-r<i>`` for repeats.
 
 Order: round-robin. Seeds (and repeats of a seed) are the outermost loop, then profiles, then methods with their
 swept values, so one seed's methods run back to back: a slow moment of a shared machine falls on every method
@@ -23,15 +23,16 @@ defaults included, are not what this invocation would run (a default changed sin
 resume, naming the option: its table would pool two variants under one name.
 
 Settings are one flat mapping of names to values, as RunConfig.build takes them: cluster shape (clusters, stages,
-backend), training (TrainConfig fields), lr, or a method option. A method option goes only to the methods whose
-config has it: ``--set local_steps=10,50`` varies opendiloco's H and leaves allreduce as one run, instead of failing
-on the option allreduce does not have (trainers.registry.method_config refuses unknown options, so they are filtered
-by the method's config fields first). As on the command line, the value "none" switches an optional setting off.
-A setting fixed for one method (`per_method`, --method-set) is one of its options or a training setting (its step
-count, say), which then differs from the other methods' for that method alone. One method may run as several
-variants side by side: ``--methods dilocox,dilocox@paper --method-set dilocox@paper:overlap=delayed`` runs
-``dilocox-...`` and ``dilocox@paper-...``; the label only names the runs, and analysis keys variants on the options
-the runs record, never on the label.
+backend), training (TrainConfig fields), lr, or a method's setting, all given as --set (harness/run/settings.py). A
+method's setting goes only to the methods whose config has it: ``--set local_steps=10,50`` varies opendiloco's H
+and leaves allreduce as one run, instead of failing on the setting allreduce does not have
+(trainers.registry.method_config refuses unknown ones, so they are filtered by the method's config fields first). As
+on the command line, the value "none" switches an optional setting off. A setting fixed for one method
+(`per_method`, ``--set METHOD.KEY=VALUE``) is one of its settings or a training setting (its step count, say), which
+then differs from the other methods' for that method alone. One method may run as several variants side by side:
+``--methods dilocox,dilocox@paper --set dilocox@paper.overlap=delayed`` runs ``dilocox-...`` and
+``dilocox@paper-...``; the label only names the runs, and analysis keys variants on the options the runs record,
+never on the label.
 """
 
 from __future__ import annotations
@@ -57,13 +58,18 @@ from harness.lock import owner_alive, staging_held
 from harness.run import runner
 from harness.run.config import RunConfig
 from harness.run.folder import RunFolder, RunPaths, UnreadableResults, read_summary, run_key_of
-from trainers.config import TrainConfig
+from harness.run.settings import (
+    CLUSTER_KEYS,
+    TRAIN_KEYS,
+    VARIANT_MARK,
+    Assignment,
+    format_value,
+    method_of,
+)
 from trainers.registry import METHODS, option_names
 
 SWEEP_LOCK = ".sweep.lock"
-CLUSTER_KEYS = frozenset({"clusters", "stages", "backend", "link_emulator"})
-# The seed is a sweep axis of its own; of the optimizer, RunConfig.build takes the learning rate.
-TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"optim", "seed"} | {"lr"}
+Grid = tuple[tuple[str, tuple[Any, ...]], ...]  # swept settings: key -> its values, in the order given
 
 
 class SweepError(UserError):
@@ -72,15 +78,6 @@ class SweepError(UserError):
 
 class SweepInterrupted(Exception):
     """Ctrl-C or SIGTERM stopped a run; the sweep stopped after recording it."""
-
-
-VARIANT_MARK = "@"
-
-
-def method_of(entry: str) -> str:
-    """'dilocox@paper' -> 'dilocox'. An entry of --methods names a method, and may add a label that keeps two
-    variants of one method apart in one sweep: each entry takes its own --method-set options and names its runs."""
-    return entry.partition(VARIANT_MARK)[0]
 
 
 def check_entries(entries: Sequence[str]) -> None:
@@ -114,47 +111,45 @@ def check_keys(keys: Sequence[str]) -> None:
     unknown = sorted(set(keys) - known)
     if unknown:
         raise SweepError(
-            f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))} (the seed has its own --seeds)"
+            f"unknown setting(s) {', '.join(unknown)}: no method has it and no run takes it; `harness methods` lists "
+            "each method's settings, `harness run --help` the runs' (the seed is a sweep's --seeds)"
         )
 
 
-def parse_value(text: str) -> Any:
-    """'10' -> 10, '1e-3' -> 0.001, 'true' -> True; anything else, 'none' included, stays a string."""
-    text = text.strip()
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_set(spec: str) -> tuple[str, tuple[Any, ...]]:
-    """'local_steps=10,50' -> ('local_steps', (10, 50)); dashes in the key are read as underscores."""
-    key, sep, values = spec.partition("=")
-    if not sep or not key.strip() or not values.strip():
-        raise SweepError(f"--set {spec!r} must look like KEY=V1,V2 (e.g. local_steps=10,50)")
-    return key.strip().replace("-", "_"), tuple(parse_value(v) for v in values.split(","))
-
-
-def parse_method_set(spec: str) -> tuple[str, str, Any]:
-    """'opendiloco:local_steps=20' -> ('opendiloco', 'local_steps', 20): an option fixed for one method only."""
-    method, colon, assignment = spec.partition(":")
-    key, equals, value = assignment.partition("=")
-    if not (colon and equals and method.strip() and key.strip()):
-        raise SweepError(f"--method-set {spec!r} must look like METHOD:KEY=VALUE (e.g. opendiloco:local_steps=20)")
-    return method.strip(), key.strip().replace("-", "_"), parse_value(value)
-
-
-def per_method_settings(specs: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Every --method-set, grouped by method."""
+def sweep_settings(assignments: Sequence[Assignment]) -> tuple[dict[str, Any], Grid, dict[str, dict[str, Any]]]:
+    """(fixed, grid, per_method) from a sweep's --set assignments. One without a method is fixed for every run that
+    has it when it gives one value, and swept when it gives several (each run's name then says its value); one
+    scoped to a method, or to a METHOD@LABEL variant, is that entry's own, one value."""
+    fixed: dict[str, Any] = {}
+    grid: dict[str, tuple[Any, ...]] = {}
     per_method: dict[str, dict[str, Any]] = {}
-    for spec in specs:
-        method, key, value = parse_method_set(spec)
-        per_method.setdefault(method, {})[key] = value
-    return per_method
+    for assignment in assignments:
+        if assignment.scope is None:
+            if len(assignment.values) == 1:
+                fixed[assignment.key] = assignment.values[0]
+            else:
+                grid[assignment.key] = assignment.values
+            continue
+        if len(assignment.values) != 1:
+            raise SweepError(
+                f"--set {assignment.text} gives one method several values; run each as a variant "
+                f"(--methods {assignment.scope}@a,{assignment.scope}@b with --set {assignment.scope}@a.{assignment.key}"
+                "=...) or sweep every method that has it (leave out the method)"
+            )
+        per_method.setdefault(assignment.scope, {})[assignment.key] = assignment.values[0]
+    return fixed, tuple(grid.items()), per_method
+
+
+def fixed_settings(assignments: Sequence[Assignment], what: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(settings, per_method) from --set assignments that each give one value (`what` runs each setting once)."""
+    fixed, grid, per_method = sweep_settings(assignments)
+    if grid:
+        key, values = grid[0]
+        raise SweepError(
+            f"--set {key}={','.join(map(format_value, values))} gives several values, and {what} runs one; "
+            "`harness sweep` varies them"
+        )
+    return fixed, per_method
 
 
 def profile_name(profile: str) -> str:
@@ -163,9 +158,7 @@ def profile_name(profile: str) -> str:
 
 
 def _format_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value).replace("/", "_")
+    return format_value(value).replace("/", "_")
 
 
 @dataclass(frozen=True)
@@ -201,7 +194,7 @@ class SweepSpec:
     methods: tuple[str, ...]
     profiles: tuple[str, ...]
     seeds: tuple[int, ...]
-    grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()  # swept settings: key -> values, from --set
+    grid: Grid = ()  # swept settings, from --set KEY=V1,V2
     settings: Mapping[str, Any] = field(default_factory=dict)  # common to every run
     per_method: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # method -> its own options
     repeats: int = 1
@@ -252,7 +245,7 @@ class SweepSpec:
             foreign = sorted(set(options) - option_names(method) - TRAIN_KEYS)
             if foreign:
                 raise SweepError(
-                    f"{', '.join(foreign)} is not an option of method {entry!r} nor a training setting; its options: "
+                    f"{', '.join(foreign)} is not a setting of {entry} nor a training setting; its settings: "
                     f"{', '.join(sorted(option_names(method))) or 'none'}"
                 )
         for combo in self.combinations():

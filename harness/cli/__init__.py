@@ -24,6 +24,10 @@ COMMANDS = {
     "calibrate": Entry(
         "harness.cli.run:calibrate", "Measure all-reduce bus bandwidth across the clusters on the shaped link."
     ),
+    "methods": Entry(
+        "harness.cli.methods:methods",
+        "List the methods, or one method's settings (give them with --set KEY=VALUE or --set METHOD.KEY=VALUE).",
+    ),
     "profiles": Entry("harness.cli.profiles:profiles", "Network profiles (netem_profiles/*.yaml)."),
     "doctor": Entry(
         "harness.cli.machine:doctor", "What this machine can do, and which profiles and backends that allows."

@@ -10,7 +10,14 @@ from pathlib import Path
 import click
 
 from harness.cli.common import SweepProgress, errors, print_text, reexec_if_unprivileged
-from harness.cli.options import WithMethodOptions, clusters_option, method_option, paths_option, profile_option
+from harness.cli.options import (
+    WithSettings,
+    clusters_option,
+    method_option,
+    paths_option,
+    profile_option,
+    set_option,
+)
 from trainers.config import TrainConfig
 
 results_argument = click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
@@ -84,8 +91,11 @@ def _exit_if_skipped(loaded) -> None:
         sys.exit(1)
 
 
-@click.command("project", cls=WithMethodOptions)
+@click.command("project", cls=WithSettings)
 @method_option("dilocox")
+@set_option(
+    "A setting of the method (repeatable), e.g. rank=32 or dilocox.overlap=delayed; `harness methods` lists them."
+)
 @click.option(
     "--model", default="tiny", show_default=True, help="Any known model, e.g. tiny, small, opt-1.3b, qwen1.5-107b."
 )
@@ -122,7 +132,7 @@ def _exit_if_skipped(loaded) -> None:
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the prediction (or table) as JSON.")
 def project(
     method, model, profile, clusters, batch_size, seq_len, compute_from, compute_s, accelerator_tflops,
-    accelerators_per_site, mfu, efficiency, window_bytes, validate_results, csv_path, json_path, **options,
+    accelerators_per_site, mfu, efficiency, window_bytes, validate_results, csv_path, json_path, assignments,
 ):  # fmt: skip
     """Predict tokens/s and wire bytes per token from measured compute, a link model and the method's schedule.
 
@@ -133,6 +143,7 @@ def project(
     (--accelerator-tflops, --accelerators-per-site, --mfu).
     """
     from harness.analysis import project as project_model
+    from harness.run.settings import parse_assignments, run_settings
 
     if validate_results:
         if not compute_from:
@@ -144,7 +155,7 @@ def project(
         if None in (accelerator_tflops, accelerators_per_site, mfu):
             raise click.UsageError("--accelerator-tflops, --accelerators-per-site and --mfu go together")
         accelerator = project_model.Accelerator(accelerator_tflops, accelerators_per_site, mfu)
-    settings = {"batch_size": batch_size, "seq_len": seq_len, **options}
+    settings = {"batch_size": batch_size, "seq_len": seq_len, **run_settings(method, parse_assignments(assignments))}
     prediction = project_model.project(
         method, model, profile, clusters, settings, list(compute_from), compute_s, accelerator,
         project_model.DEFAULT_EFFICIENCY if efficiency is None else efficiency, window_bytes,

@@ -10,7 +10,7 @@ import click
 from rich.text import Text
 
 from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
-from harness.cli.options import WithMethodOptions, cluster_options, method_set_option, train_options
+from harness.cli.options import WithSettings, cluster_options, set_option, train_options
 from trainers.registry import method_names
 
 
@@ -19,13 +19,13 @@ def _profiles(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(p for value in values for p in csv_list(value)))
 
 
-@click.command("compare", cls=WithMethodOptions)
+@click.command("compare", cls=WithSettings)
 @click.option(
     "--methods",
     required=True,
     help=f"Comma-separated methods ({', '.join(method_names())}); allreduce sets the default target and the "
     "speed-ups, local the utilisation; METHOD@LABEL runs another variant of METHOD beside it (dilocox@paper, its "
-    "options from --method-set dilocox@paper:overlap=delayed).",
+    "settings from --set dilocox@paper.overlap=delayed).",
 )
 @click.option(
     "--profile", "profiles", multiple=True, help="A link to measure end to end (repeatable; profile name or YAML)."
@@ -39,8 +39,10 @@ def _profiles(values: tuple[str, ...]) -> tuple[str, ...]:
     "where AllReduce would take too long here; labelled 'composed' wherever it appears.",
 )
 @click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
-@method_set_option(
-    "Fix an option for one method only (repeatable), e.g. dilocox:local_steps=20; printed with the table."
+@set_option(
+    "A setting (repeatable): KEY=VALUE for every method that has it (or every run: a training or cluster setting), "
+    "METHOD.KEY=VALUE for one method or variant, e.g. dilocox.local_steps=20; printed with the table. "
+    "`harness methods` lists each method's settings."
 )
 @click.option(
     "--method-steps",
@@ -58,8 +60,8 @@ def _profiles(values: tuple[str, ...]) -> tuple[str, ...]:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Compare folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished runs.")
 @cluster_options
-@train_options
-def compare(methods, profiles, composed, seeds, method_set, method_steps, target_loss, out, force, **flags):
+@train_options(seed=False)
+def compare(methods, profiles, composed, seeds, assignments, method_steps, target_loss, out, force, **flags):
     """Run methods side by side on shaped links and compare their time to a target loss with AllReduce's.
 
     Every method trains the same model on the same data with the same seeds to the same steps (so the same applied
@@ -77,15 +79,17 @@ def compare(methods, profiles, composed, seeds, method_set, method_steps, target
     """
     from harness.analysis.compare import CompareSpec, parse_method_steps, run_compare
     from harness.analysis.compare_report import markdown, summary_lines, write_outputs
-    from harness.analysis.sweep import SweepInterrupted, per_method_settings
+    from harness.analysis.sweep import SweepInterrupted, fixed_settings
+    from harness.run.settings import parse_assignments
 
+    settings, per_method = fixed_settings(parse_assignments(assignments), "a comparison")
     spec = CompareSpec(
         methods=csv_list(methods),
         profiles=_profiles(profiles),
         composed=_profiles(composed),
         seeds=csv_list(seeds, int),
-        settings={k: v for k, v in flags.items() if v is not None},
-        per_method=per_method_settings(method_set),
+        settings={**{k: v for k, v in flags.items() if v is not None}, **settings},
+        per_method=per_method,
         method_steps=parse_method_steps(method_steps),
         target_loss=target_loss,
     )

@@ -1,9 +1,9 @@
 """Flags that several commands take, each declared once; the defaults they show come from the config dataclasses
-(trainers/config.py, harness/run/config.py), and the method options from the methods' own configs."""
+(trainers/config.py, harness/run/config.py). A method's settings are no flags: `--set [METHOD.]KEY=VALUE`
+(harness/run/settings.py) gives them on every command, and `harness methods` lists them."""
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,8 +12,9 @@ import click
 
 from harness.backends import BACKENDS
 from harness.run.config import LINK_EMULATORS, RunConfig
+from harness.run.settings import SET_METAVAR, old_flag_message, takes_value
 from trainers.config import OptimConfig, TrainConfig
-from trainers.registry import MethodOption, method_names, method_options
+from trainers.registry import method_names
 
 DEFAULT_PROFILE = "1gbps"
 
@@ -65,7 +66,13 @@ def _choice_option(flag: str, choices: tuple[str, ...], default: str | None, fal
 
 
 def backend_option(default: str | None = RunConfig.backend) -> Decorator:
-    return _choice_option("--backend", BACKENDS, default, RunConfig.backend, "")
+    return _choice_option(
+        "--backend",
+        BACKENDS,
+        default,
+        RunConfig.backend,
+        "Where the ranks run: netns (processes in network namespaces on this host) or docker (a container each).",
+    )
 
 
 def link_emulator_option(default: str | None = RunConfig.link_emulator) -> Decorator:
@@ -84,12 +91,6 @@ def paths_option(flag: str, dest: str, help: str, **path: bool) -> Decorator:
     return click.option(flag, dest, multiple=True, type=click.Path(path_type=Path, **path), help=help)
 
 
-def method_set_option(help_text: str) -> Decorator:
-    """--method-set METHOD:KEY=VALUE, repeatable: an option for one method only (`harness sweep`, `harness compare`;
-    parsed by harness.analysis.sweep.per_method_settings)."""
-    return click.option("--method-set", multiple=True, metavar="METHOD:KEY=VALUE", help=help_text)
-
-
 def cluster_options(command):
     """The cluster shape shared by every run of a sweep; unset ones keep RunConfig's defaults."""
     return _apply(
@@ -97,9 +98,11 @@ def cluster_options(command):
     )
 
 
-def train_options(command):
-    """The training settings every method shares; unset ones keep TrainConfig's defaults. Method options are
-    added by `WithMethodOptions`."""
+def train_options(command=None, *, seed: bool = True):
+    """The training settings every method shares; unset ones keep TrainConfig's defaults. Commands that run many
+    seeds (sweep, compare) take --seeds instead of --seed. A method's settings go through --set."""
+    if command is None:
+        return lambda command: train_options(command, seed=seed)
     flags = [
         click.option(
             "--model",
@@ -111,7 +114,11 @@ def train_options(command):
             "--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}]."
         ),
         click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context]."),
-        click.option("--seed", type=int, help=f"Seed for weights and data order [default: {TrainConfig.seed}]."),
+        *(
+            [click.option("--seed", type=int, help=f"Seed for weights and data order [default: {TrainConfig.seed}].")]
+            if seed
+            else []
+        ),
         click.option("--eval-every", type=int, help=f"Steps between validations [default: {TrainConfig.eval_every}]."),
         click.option(
             "--throughput-warmup-steps",
@@ -122,7 +129,8 @@ def train_options(command):
         click.option(
             "--pipeline-schedule",
             type=click.Choice(["1f1b", "gpipe"]),
-            help=f"[default: {TrainConfig.pipeline_schedule}].",
+            help="Pipeline schedule when --stages > 1: 1f1b holds fewer activations than gpipe "
+            f"[default: {TrainConfig.pipeline_schedule}].",
         ),
         click.option("--lr", type=float, help=f"Inner AdamW peak learning rate [default: {OptimConfig.lr}]."),
         click.option(
@@ -150,53 +158,26 @@ def train_options(command):
     return _apply(flags, command)
 
 
-class OptionalInt(click.ParamType):
-    """An integer, or 'none' to switch the setting off (kept as the string: None means 'not given')."""
-
-    name = "INTEGER|none"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, int) or str(value).lower() == "none":
-            return value if isinstance(value, int) else "none"
-        try:
-            return int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither an integer nor 'none'", param, ctx)
+def set_option(help_text: str) -> Decorator:
+    """--set [METHOD.]KEY=VALUE, repeatable: a method's setting, or a training or cluster setting
+    (harness/run/settings.py)."""
+    return click.option("--set", "assignments", multiple=True, metavar=SET_METAVAR, help=help_text)
 
 
-def _click_type(option: MethodOption) -> Any:
-    if typing.get_origin(option.kind) is typing.Literal:
-        return click.Choice([str(v) for v in typing.get_args(option.kind)])
-    if option.accepts_none:
-        return OptionalInt()
-    return option.kind
+class WithSettings(click.Command):
+    """A command that takes --set. A method flag of before it (--local-steps 10, --no-final-sync, --method-set
+    dilocox:rank=32) is refused in one sentence naming its --set form, rather than click's "no such option"."""
 
-
-def method_option_params() -> list[click.Option]:
-    """One flag per method option, generated from the methods' config dataclasses so the CLI never drifts."""
-    params = []
-    for field_name, option in sorted(method_options().items()):
-        flag = field_name.replace("_", "-")
-        used_by = "method option; " + ", ".join(f"{m}: {d}" for m, d in option.defaults.items())
-        help_text = f"{option.help} [{used_by}]" if option.help else f"[{used_by}]"
-        if option.kind is bool:
-            params.append(click.Option([f"--{flag}/--no-{flag}", field_name], default=None, help=help_text))
-        else:
-            params.append(
-                click.Option([f"--{flag}", field_name], type=_click_type(option), default=None, help=help_text)
-            )
-        if typing.get_origin(option.kind) is typing.Literal and "none" in typing.get_args(option.kind):
-            # A switch that grew modes (dilocox's --overlap) keeps its --no-FLAG, as a hidden alias of --FLAG none.
-            params.append(click.Option([f"--no-{flag}", field_name], flag_value="none", default=None, hidden=True))
-    return params
-
-
-class WithMethodOptions(click.Command):
-    """A command that takes every method's options as flags; they are built (importing the methods, and torch)
-    only when this command is parsed or its help printed, not when its module is imported."""
-
-    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        if not getattr(self, "_method_params_added", False):
-            self.params.extend(method_option_params())
-            self._method_params_added = True
-        return super().get_params(ctx)
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        own = {flag for param in self.get_params(ctx) for flag in (*param.opts, *param.secondary_opts)}
+        for i, word in enumerate(args):
+            if word == "--":
+                break
+            if not word.startswith("--") or word.partition("=")[0] in own:
+                continue
+            wants_value = takes_value(word) or word == "--method-set"
+            value = args[i + 1] if wants_value and i + 1 < len(args) else None
+            message = old_flag_message(word, value)
+            if message is not None:
+                raise click.UsageError(message, ctx)
+        return super().parse_args(ctx, args)

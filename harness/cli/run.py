@@ -16,12 +16,13 @@ from rich.text import Text
 
 from harness.cli.common import console, errors, print_text, print_warnings, progress_bars, reexec_if_unprivileged
 from harness.cli.options import (
-    WithMethodOptions,
+    WithSettings,
     backend_option,
     clusters_option,
     link_emulator_option,
     method_option,
     profile_option,
+    set_option,
     stages_option,
     train_options,
 )
@@ -100,7 +101,7 @@ class _RecordsSignals(click.Command):
         return ctx
 
 
-class _RunCommand(_RecordsSignals, WithMethodOptions):
+class _RunCommand(_RecordsSignals, WithSettings):
     pass
 
 
@@ -134,15 +135,38 @@ class _RunCommand(_RecordsSignals, WithMethodOptions):
     help="Docker backend: one GPU per rank: auto (GPU r for rank r with the nvidia runtime), none, or ids 0,1.",
 )
 @train_options
+@set_option(
+    "A setting of the method (repeatable), e.g. rank=32 or dilocox.overlap=delayed, or a training setting without a "
+    "flag, e.g. threads_per_rank=1; `harness methods METHOD` lists the method's settings."
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, path_type=Path),
+    help="Run what a run folder's config.json (or the folder, or a YAML with its keys) describes; flags given "
+    "beside it override its settings.",
+)
 @click.pass_context
-def run(ctx, method, profile, out, **settings):
+def run(ctx, method, profile, out, assignments, config_file, **settings):
     """Train one method on the emulated cluster and write a results folder."""
     from harness.run import runner
+    from harness.run.settings import parse_assignments, run_settings, settings_from_file
 
     signals = ctx.meta[_SignalsBeforeTheRun]
     # Every other flag is a RunConfig.build setting by the same name: the cluster's shape, backend, link emulator,
-    # faults and GPUs, the training settings and the method's options.
-    config = RunConfig.build(method, profile, **settings)
+    # faults and GPUs, and the training settings; --set adds the method's settings.
+    given = {k: v for k, v in settings.items() if v is not None and _on_command_line(ctx, k)}
+    base: dict[str, Any] = {}
+    if config_file is not None:
+        from_file = settings_from_file(config_file)
+        if _on_command_line(ctx, "method") and method != from_file.method:
+            raise click.UsageError(f"{config_file} is a run of {from_file.method}; leave out --method {method}")
+        method, base = from_file.method, from_file.settings
+        profile = profile if _on_command_line(ctx, "profile") else from_file.profile
+    else:
+        given = {k: v for k, v in settings.items() if v is not None}
+    method_settings = run_settings(method, parse_assignments(assignments))
+    config = RunConfig.build(method, profile, **{**base, **given, **method_settings})
     checked = runner.validate(config, out)
     print_warnings(config.warnings())
     signals.stop_if_received()
@@ -219,6 +243,11 @@ def calibration_lines(summary: dict[str, Any]) -> list[str]:
         f"  round trip        idle {ms(summary.get('link_rtt_ms'))}, behind one full queue "
         f"{ms(summary.get('link_loaded_rtt_one_way_ms'))}, both ways full {ms(summary.get('link_loaded_rtt_ms'))}",
     ]
+
+
+def _on_command_line(ctx: click.Context, name: str) -> bool:
+    """Whether the user gave flag `name` (not its default): with --config, only those override the file."""
+    return ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
 
 
 def _exit_code(summary: dict[str, Any]) -> int:

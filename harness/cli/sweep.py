@@ -11,29 +11,24 @@ import click
 from rich.text import Text
 
 from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
-from harness.cli.options import WithMethodOptions, cluster_options, method_set_option, train_options
+from harness.cli.options import WithSettings, cluster_options, set_option, train_options
 from trainers.registry import method_names
 
 
-@click.command("sweep", cls=WithMethodOptions)
+@click.command("sweep", cls=WithSettings)
 @click.option(
     "--methods",
     required=True,
     help=f"Comma-separated methods ({', '.join(method_names())}); METHOD@LABEL runs another variant of METHOD "
-    "beside it, its options from --method-set METHOD@LABEL:KEY=VALUE.",
+    "beside it, its settings from --set METHOD@LABEL.KEY=VALUE.",
 )
 @click.option("--profiles", default="", help="Comma-separated profile names or profile YAML paths.")
 @click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
-@click.option(
-    "--set",
-    "grid",
-    multiple=True,
-    metavar="KEY=V1,V2",
-    help="Sweep a setting (repeatable; the product is run), e.g. local_steps=10,50 or stages=1,2. "
-    "A method option goes only to the methods that have it.",
-)
-@method_set_option(
-    "Fix an option (or a training setting) for one method only (repeatable), e.g. opendiloco:local_steps=20."
+@set_option(
+    "A setting (repeatable) for every method that has it, or every run (a training or cluster setting): KEY=VALUE "
+    "fixes it, KEY=V1,V2 sweeps it (the product of all swept settings is run), e.g. local_steps=10,50; "
+    "METHOD.KEY=VALUE fixes it for one method or variant, e.g. dilocox.rank=32. `harness methods` lists each "
+    "method's settings."
 )
 @click.option(
     "--regime",
@@ -45,8 +40,8 @@ from trainers.registry import method_names
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Sweep folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished combinations (and re-derive the regime profile).")
 @cluster_options
-@train_options
-def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, force, **flags):
+@train_options(seed=False)
+def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, **flags):
     """Run methods x profiles x seeds (x --set values) one after another into one sweep folder.
 
     Round-robin: for each seed (and repeat), each profile, every method runs back to back, so machine noise falls
@@ -57,16 +52,18 @@ def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, forc
     import shlex
 
     from harness.analysis.regime import regime_profile
-    from harness.analysis.sweep import SweepInterrupted, SweepSpec, parse_set, per_method_settings, run_sweep
+    from harness.analysis.sweep import SweepInterrupted, SweepSpec, run_sweep, sweep_settings
+    from harness.run.settings import parse_assignments
 
-    settings = {k: v for k, v in flags.items() if v is not None}
+    fixed, grid, per_method = sweep_settings(parse_assignments(assignments))
+    settings = {**{k: v for k, v in flags.items() if v is not None}, **fixed}
     spec = SweepSpec(
         methods=csv_list(methods),
         profiles=csv_list(profiles),
         seeds=csv_list(seeds, int),
-        grid=tuple(parse_set(g) for g in grid),
+        grid=grid,
         settings=settings,
-        per_method=per_method_settings(method_set),
+        per_method=per_method,
         repeats=repeats,
     )
     spec.validate(regime_pending=regime is not None)
@@ -99,19 +96,18 @@ def sweep(methods, profiles, seeds, grid, method_set, regime, repeats, out, forc
     "--out", type=click.Path(path_type=Path), help="Profile YAML to write [default: results/profiles/TARGET-MODEL.yaml]"
 )
 @cluster_options
-@train_options
-def regime(target, out, seed, **flags):
+@train_options(seed=False)
+def regime(target, out, **flags):
     """Derive the link rate at which AllReduce is as communication-bound as TARGET, and write it as a profile.
 
     Measures this machine's compute time per step with a few `local` steps, then
     rate = 8 P / (R T_c): P gradient bytes per step on a cluster's uplink, R = T_comm / T_c of the target.
-    Takes the same flags as `harness sweep`; method options do not change the measurement.
+    Takes the training and cluster flags of `harness sweep`; a method's settings do not change the measurement.
     """
     import tempfile
 
     from harness.analysis.regime import check_request, derive_regime, write_regime_profile
 
-    del seed  # accepted like sweep's flags; weights' seed does not change compute time
     settings = {k: v for k, v in flags.items() if v is not None}
     check_request(target, settings)
     reexec_if_unprivileged()

@@ -31,6 +31,7 @@ from harness.errors import UserError
 from harness.net.profiles import known_profiles, load_profile
 from harness.net.shaping import probe_qdiscs
 from harness.run.config import RunConfig
+from harness.run.settings import format_value
 from tests.harness.refusal import (
     RunStarted,
     assert_refused,
@@ -250,23 +251,41 @@ def test_good_input_reaches_the_run_and_creates_nothing_before(harness_cli, tmp_
     assert after == before
 
 
-def test_method_option_that_does_not_apply(harness_cli, tmp_path, monkeypatch):
-    """A flag generated from another method's config is refused for this method, by name."""
+def test_method_setting_that_does_not_apply(harness_cli, tmp_path, monkeypatch):
+    """Another method's setting is refused for this method, by name, before anything is made."""
     options = method_options()
     methods = method_names()
     foreign = [
-        (name, method, kind, defaults)
-        for name, (kind, defaults, _) in sorted(options.items())
+        (name, method, defaults)
+        for name, (_, defaults, _) in sorted(options.items())
         for method in methods
         if method not in defaults
     ]
     if not foreign:
-        pytest.skip(f"every method option flag applies to every method ({', '.join(methods)})")
-    name, method, kind, defaults = foreign[0]
-    flag = "--" + name.replace("_", "-")
-    value = [] if kind is bool else [str(next(d for d in defaults.values() if d is not None))]
-    result, before, after = harness_cli(["run", "--method", method, flag, *value])
-    assert_refused(result, before, after, [f"{flag} does not apply to method {method!r}"])
+        pytest.skip(f"every method setting applies to every method ({', '.join(methods)})")
+    name, method, defaults = foreign[0]
+    value = next(d for d in defaults.values() if d is not None)
+    result, before, after = harness_cli(["run", "--method", method, "--set", f"{name}={format_value(value)}"])
+    assert_refused(result, before, after, [f"{method} has no setting {name!r}", f"harness methods {method}"])
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--local-steps", "10"], ["--local-steps is now a setting of", "--set local_steps=10"]),
+        (["--no-final-sync"], ["--set final_sync=false"]),
+        (["--method-set", "dilocox:rank=32"], ["--set dilocox.rank=32"]),
+        (["--set", "rank"], ["must look like [METHOD.]KEY=VALUE"]),
+        (["--set", "opendiloco.outer_lr=0.5"], ["is for opendiloco", "this run is of dilocox"]),
+        (["--set", "local_steps=10,20"], ["gives several values"]),
+        (["--set", "rank=many"], ["dilocox's setting rank takes a whole number"]),
+        (["--set", "overlap=sometimes"], ["takes one of none, delayed, eager, streaming"]),
+    ],
+)
+def test_settings_refused_in_one_sentence(harness_cli, argv, words):
+    """Old method flags name their --set form; a malformed, misplaced or mistyped --set names its fix."""
+    result, before, after = harness_cli(["run", "--method", "dilocox", *argv])
+    assert_refused(result, before, after, words)
 
 
 def test_validate_refuses_an_option_the_method_lacks(tmp_path, monkeypatch):
@@ -274,7 +293,7 @@ def test_validate_refuses_an_option_the_method_lacks(tmp_path, monkeypatch):
     config = RunConfig(method="allreduce", profile=load_profile("1gbps"), method_options={"local_steps": 5})
     with pytest.raises(UserError) as err:
         runner.validate(config, tmp_path / "out")
-    assert "--local-steps does not apply to method 'allreduce'" in str(err.value)
+    assert "local_steps is not a setting of allreduce" in str(err.value)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -427,7 +446,7 @@ def test_sigint_before_the_run_stops_the_command_and_creates_nothing(when, harne
         return interrupted
 
     if when == "parsing":
-        monkeypatch.setattr(cli_options.WithMethodOptions, "get_params", interrupt_then(click.Command.get_params))
+        monkeypatch.setattr(cli_options.WithSettings, "get_params", interrupt_then(click.Command.get_params))
     else:
         monkeypatch.setattr(userns, "needs_reexec", interrupt_then(lambda: False))
     result, before, after = harness_cli(["run", "--steps", "3"])

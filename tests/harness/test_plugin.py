@@ -1,8 +1,8 @@
 """Adding a method is its file and one registry line: a copy of the package with a new method, made exactly so, must
 run, sweep, report and project it through the CLI with nothing else edited.
 
-The copy holds harness/, trainers/ and netem_profiles/; the new method `toyreduce` is trainers/allreduce.py with its
-classes renamed, and trainers/registry.py gains one line. The CLI runs as subprocesses from the copy (sys.path's
+The copy holds harness/, trainers/ and netem_profiles/; the new method `toyreduce` is trainers/methods/allreduce.py with
+its classes renamed, and trainers/registry.py gains one line. The CLI runs as subprocesses from the copy (sys.path's
 first entry, ahead of the editable install), so a name list anywhere else in the code (a branch per method, a
 table of methods) fails these tests.
 """
@@ -21,7 +21,7 @@ from harness.userns import user_namespaces_work
 
 REPO = Path(__file__).resolve().parents[2]
 METHOD = "toyreduce"
-REGISTRY_LINE = f'    "{METHOD}": "trainers.{METHOD}:ToyReduce",\n'
+REGISTRY_LINE = f'    "{METHOD}": "trainers.methods.{METHOD}:ToyReduce",\n'
 # Three steps: enough exchanges that nothing warns of too few, and little enough to keep each run at its start-up.
 TINY_RUN = ["--model", "tiny", "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--eval-every", "3"]
 
@@ -32,10 +32,10 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("plugin")
     for name in ("harness", "trainers", "netem_profiles"):
         shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    source = (REPO / "trainers" / "allreduce.py").read_text()
+    source = (REPO / "trainers" / "methods" / "allreduce.py").read_text()
     renamed = source.replace("AllReduceConfig", "ToyReduceConfig").replace("class AllReduce(", "class ToyReduce(")
-    assert renamed.count("ToyReduce") >= 3, "trainers/allreduce.py no longer has the classes this test renames"
-    (root / "trainers" / f"{METHOD}.py").write_text(renamed)
+    assert renamed.count("ToyReduce") >= 3, "trainers/methods/allreduce.py no longer has the classes this test renames"
+    (root / "trainers" / "methods" / f"{METHOD}.py").write_text(renamed)
     registry = root / "trainers" / "registry.py"
     lines = registry.read_text().splitlines(keepends=True)
     opening = next(i for i, line in enumerate(lines) if line.startswith("METHODS"))

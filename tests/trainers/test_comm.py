@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tests.trainers.spawn import run_ranks
 from trainers.comm import quantized_ring_payload_bytes, quantized_ring_sum, ring_chunk_numel
-from trainers.compression import quantized_nbytes
+from trainers.compression.quantize import quantized_nbytes
 
 WORLD = 3
 

@@ -8,8 +8,9 @@ from click.testing import CliRunner
 
 import harness.cli as cli
 import harness.run.runner
-from harness.analysis.sweep import build_config, check_keys, parse_set
+from harness.analysis.sweep import build_config, check_keys
 from harness.run.config import RunConfig
+from harness.run.settings import parse_assignment
 from trainers.config import TrainConfig
 from trainers.data import (
     SHIFT_SEGMENTS,
@@ -207,6 +208,6 @@ def test_the_cli_and_sweeps_pass_the_setting_through(monkeypatch):
     help_text = " ".join(CliRunner().invoke(cli.main, ["run", "--help"]).output.split())
     assert "--data-shift N Every N steps" in help_text and "[default: 0 = off]" in help_text
     assert RunConfig.build("allreduce", "1gbps").train.data_shift == 0
-    key, values = parse_set("data-shift=10,20")
+    _, key, values = parse_assignment("data-shift=10,20")
     check_keys([key])
     assert build_config("allreduce", "1gbps", 0, {key: values[1]}).train.data_shift == 20

@@ -116,7 +116,7 @@ def test_unknown_names_are_refused(tmp_path, field, value, message):
 def test_run_section_is_validated(tmp_path):
     with pytest.raises(BaselineError, match="unknown setting"):
         load_baseline(baseline_file(tmp_path, nosuch=1))
-    with pytest.raises(BaselineError, match="does not apply to method 'allreduce'"):
+    with pytest.raises(BaselineError, match="local_steps is not a setting of allreduce"):
         load_baseline(baseline_file(tmp_path, methods={"allreduce": {"local_steps": 3}}))
     with pytest.raises(BaselineError, match="repeats must be a positive integer"):
         load_baseline(baseline_file(tmp_path, repeats=0))

@@ -73,7 +73,8 @@ def test_baseline_file_says_how_to_regenerate_it_and_how_the_bands_were_derived(
 
 def test_header_sweep_command_makes_the_runs_check_would_make(reference):
     """The regeneration command parses as `harness sweep` and makes the very runs `harness check` makes."""
-    from harness.analysis.sweep import per_method_settings
+    from harness.analysis.sweep import sweep_settings
+    from harness.run.settings import parse_assignments
 
     results, path = reference
     baseline = load_baseline(path)
@@ -86,9 +87,10 @@ def test_header_sweep_command_makes_the_runs_check_would_make(reference):
         assert words[:2] == ["harness", "sweep"] and words[-2:] == ["--out", str(results)]
         with main.get_command(click.Context(main), "sweep").make_context("sweep", words[2:]) as ctx:
             params = ctx.params
+        fixed, grid, per_method = sweep_settings(parse_assignments(params["assignments"]))
         settings = {k: v for k, v in params.items() if v is not None and k in baseline.settings}
-        assert settings == dict(spec.settings)
-        assert per_method_settings(params["method_set"]) == spec.per_method
+        assert {**settings, **fixed} == dict(spec.settings) and grid == ()
+        assert per_method == spec.per_method
         assert (params["methods"].split(","), params["repeats"], params["force"]) == (list(spec.methods), 5, True)
         assert params["seeds"] == "0" and (params["profiles"],) == spec.profiles
 

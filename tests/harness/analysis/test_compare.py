@@ -293,7 +293,7 @@ def test_a_compare_runs_both_sweeps_resumes_and_leaves_a_folder_report_reads(tmp
 
     monkeypatch.setattr(runner, "run", run)
     args = ["compare", "--methods", "allreduce,opendiloco", "--profile", "1gbps", "--composed", "100mbps",
-            "--seeds", "0", "--steps", "40", "--method-set", "opendiloco:local_steps=10",
+            "--seeds", "0", "--steps", "40", "--set", "opendiloco.local_steps=10",
             "--out", str(tmp_path)]  # fmt: skip
     shown = CliRunner().invoke(cli.main, args)
     assert shown.exit_code == 0, shown.output

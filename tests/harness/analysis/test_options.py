@@ -11,7 +11,7 @@ from harness.analysis.report import markdown
 from harness.analysis.tables import load_runs
 from harness.run.config import RunConfig
 from tests.harness.fakeruns import write_run
-from trainers.dilocox import DiLoCoXConfig
+from trainers.methods.dilocox import DiLoCoXConfig
 from trainers.registry import options_shown, resolved_options
 
 

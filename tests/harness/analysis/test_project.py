@@ -164,7 +164,7 @@ def _opendiloco_only(tmp_path):
 def test_cli_prints_the_projection_and_writes_json(tmp_path):
     out = CliRunner().invoke(main, [
         "project", "--method", "dilocox", "--model", "opt-1.3b", "--profile", "1gbps", "--clusters", "4",
-        "--local-steps", "125", "--rank", "512", "--accelerator-tflops", "312", "--accelerators-per-site", "8",
+        "--set", "local_steps=125", "--set", "rank=512", "--accelerator-tflops", "312", "--accelerators-per-site", "8",
         "--mfu", "0.4", "--seq-len", "2048", "--json", str(tmp_path / "p.json"),
     ])  # fmt: skip
     assert out.exit_code == 0, out.output
@@ -202,7 +202,7 @@ def test_cli_validation_counts_both_predictions_against_the_tolerance(tmp_path):
         (["--compute-s", "1", "--method", "local"], "not 'local'"),
         (["--compute-s", "1", "--profile", "nope"], "nope"),
         (["--compute-s", "1", "--profile", "straggler-1gbps-one-site-100mbps"], "site 3"),
-        (["--compute-s", "1", "--rank", "0"], "--rank must be at least 1"),
+        (["--compute-s", "1", "--set", "rank=0"], "rank must be at least 1"),
         (["--validate", "."], "--validate needs --compute-from"),
     ],
 )

@@ -84,7 +84,7 @@ def test_run_reference_runs_that_commits_own_sweep_with_the_baselines_settings(r
     argv = calls[0]["argv"]
     assert argv[:5] == ["sweep", "--methods", "dilocox", "--profiles", "10mbps"]
     assert argv[argv.index("--repeats") + 1] == "3" and "--force" not in argv, "resumed, not redone"
-    assert "dilocox:local_steps=10" in argv and argv[-1] == str(out.resolve())
+    assert "dilocox.local_steps=10" in argv and argv[-1] == str(out.resolve())
     assert calls[0]["file"].startswith(str(out.resolve() / "code"))
     monkeypatch.setenv("FAKE_EXIT", "3")
     with pytest.raises(BaselineError, match=r"the reference code's sweep \(.*\) exited 3"):

@@ -22,26 +22,39 @@ from harness.analysis.sweep import (
     SweepInterrupted,
     SweepSpec,
     build_config,
-    parse_set,
+    fixed_settings,
     run_sweep,
+    sweep_settings,
 )
 from harness.analysis.tables import load_runs
 from harness.lock import RunLock
 from harness.net.profiles import load_profile
 from harness.run import runner
 from harness.run.folder import RunFolder
+from harness.run.settings import SettingError, parse_assignment, parse_assignments
 from harness.userns import user_namespaces_work
 from tests.harness.fakeruns import damage, write_run
 
 
 def test_set_values_are_parsed_and_method_options_go_only_where_they_apply():
-    assert parse_set("local_steps=10,50") == ("local_steps", (10, 50))
-    assert parse_set("lr=1e-3,0.01") == ("lr", (1e-3, 0.01))
-    assert parse_set("pseudo-grad-dtype=fp16,bf16") == ("pseudo_grad_dtype", ("fp16", "bf16"))
-    assert parse_set("bits=4,none") == ("bits", (4, "none"))
-    with pytest.raises(SweepError, match="KEY=V1,V2"):
-        parse_set("local_steps")
-    spec = SweepSpec(("allreduce", "opendiloco"), ("1gbps",), (0, 1), grid=(parse_set("local_steps=10,50"),))
+    assert parse_assignment("local_steps=10,50") == (None, "local_steps", (10, 50))
+    assert parse_assignment("lr=1e-3,0.01") == (None, "lr", (1e-3, 0.01))
+    assert parse_assignment("pseudo-grad-dtype=fp16,bf16") == (None, "pseudo_grad_dtype", ("fp16", "bf16"))
+    assert parse_assignment("cocktail.bits=none") == ("cocktail", "bits", ("none",))
+    assert parse_assignment("dilocox@paper.overlap=delayed") == ("dilocox@paper", "overlap", ("delayed",))
+    for bad in ("local_steps", "=3", ".rank=3", "rank="):
+        with pytest.raises(SettingError, match=r"must look like \[METHOD.\]KEY=VALUE"):
+            parse_assignment(bad)
+    fixed, grid, per_method = sweep_settings(
+        parse_assignments(["steps=20", "local_steps=10,50", "dilocox.rank=32", "dilocox@paper.overlap=delayed"])
+    )
+    assert fixed == {"steps": 20} and grid == (("local_steps", (10, 50)),)
+    assert per_method == {"dilocox": {"rank": 32}, "dilocox@paper": {"overlap": "delayed"}}
+    with pytest.raises(SweepError, match="gives one method several values; run each as a variant"):
+        sweep_settings(parse_assignments(["dilocox.rank=16,32"]))
+    with pytest.raises(SweepError, match="gives several values, and a comparison runs one"):
+        fixed_settings(parse_assignments(["local_steps=10,50"]), "a comparison")
+    spec = SweepSpec(("allreduce", "opendiloco"), ("1gbps",), (0, 1), grid=(("local_steps", (10, 50)),))
     names = [c.name for c in spec.combinations()]
     # allreduce has no local_steps: it runs once per seed, not once per value.
     assert names == [
@@ -82,7 +95,7 @@ def test_settings_are_routed_by_name_and_checked_before_anything_runs():
         SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"nosuch": 1}).validate()
     with pytest.raises(SweepError, match="opendiloco-1gbps-s0-local_steps=0"):
         SweepSpec(("opendiloco",), ("1gbps",), (0,), grid=(("local_steps", (0,)),)).validate()
-    with pytest.raises(SweepError, match="not an option of method 'allreduce'"):
+    with pytest.raises(SweepError, match="local_steps is not a setting of allreduce"):
         SweepSpec(("allreduce",), ("1gbps",), (0,), per_method={"allreduce": {"local_steps": 3}}).validate()
 
 
@@ -109,7 +122,7 @@ def test_two_variants_of_one_method_run_side_by_side_each_with_its_own_options()
     ):
         with pytest.raises(SweepError, match=refusal):
             SweepSpec(methods, ("1gbps",), (0,)).validate()
-    with pytest.raises(SweepError, match="not an option of method 'dilocox@paper'"):
+    with pytest.raises(SweepError, match="topk_keep is not a setting of dilocox@paper"):
         SweepSpec(("dilocox@paper",), ("1gbps",), (0,), per_method={"dilocox@paper": {"topk_keep": 0.1}}).validate()
 
 

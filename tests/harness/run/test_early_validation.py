@@ -142,13 +142,13 @@ CASES = [
     # --- method settings the model decides ----------------------------------------------------------------------
     Case(
         "reduce-rank-above-every-matrix",
-        ["run", "--method", "dilocox", "--exchange", "reduce", "--rank", "200"],
-        ["--rank 200 leaves no matrix of this model factored under --exchange reduce", "use --rank 102 or lower"],
+        ["run", "--method", "dilocox", "--set", "exchange=reduce", "--set", "rank=200"],
+        ["rank=200 leaves no matrix of this model factored under exchange=reduce", "use --set rank=102 or lower"],
     ),
     Case(
         "reduce-without-compression",
-        ["run", "--method", "dilocox", "--exchange", "reduce", "--no-compression"],
-        ["--exchange reduce reduces low-rank factors, which --no-compression turns off"],
+        ["run", "--method", "dilocox", "--set", "exchange=reduce", "--set", "compression=false"],
+        ["exchange=reduce reduces low-rank factors, which compression=false turns off"],
     ),
     # --- burst --------------------------------------------------------------------------------------------------
     Case(

@@ -26,7 +26,7 @@ def test_dilocox_rides_out_an_outage_and_a_rate_change(tmp_path):
     before = snapshot()
     out = tmp_path / "run"
     result = harness(
-        "run", "--profile", "100mbps", "--method", "dilocox", "--local-steps", 10, "--steps", 40, *SMALL_RUN,
+        "run", "--profile", "100mbps", "--method", "dilocox", "--set", "local_steps=10", "--steps", 40, *SMALL_RUN,
         "--fault", "link-down:12:3", "--fault", "rate:25:20mbit", "--out", out,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

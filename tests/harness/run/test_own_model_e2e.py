@@ -59,7 +59,7 @@ def test_a_transformers_model_trains_on_local_data_with_a_trained_bpe(own, model
     # The OPT runs read the parquet file, the Qwen2 runs the saved dataset (whose text is in "content").
     data = ["--data", own["parquet"]] if model == "opt-125m" else ["--data", own["dataset"], "--data-field", "content"]
     # One DiLoCoX round, at the last step: a round's rank estimate and monitors cost seconds of CPU at these widths.
-    extra = ["--local-steps", 5] if method == "dilocox" else []
+    extra = ["--set", "local_steps=5"] if method == "dilocox" else []
     # One run also writes its scalars for TensorBoard as it trains.
     tensorboard = model == "qwen2-0.5b" and stages == 2
     extra += ["--tensorboard"] if tensorboard else []

@@ -153,12 +153,12 @@ def test_killed_harness_takes_its_workers_with_it(tmp_path):
     assert not [ns for ns in snapshot()["netns"] if ns.startswith(run_key)]
 
 
-@pytest.mark.parametrize(("final_sync", "applied_steps"), [("--final-sync", 20), ("--no-final-sync", 16)])
+@pytest.mark.parametrize(("final_sync", "applied_steps"), [("final_sync=true", 20), ("final_sync=false", 16)])
 def test_tokens_per_second_count_only_the_tokens_in_the_final_model(tmp_path, final_sync, applied_steps):
     out = tmp_path / "run"
     result = harness(
-        "run", "--profile", "1gbps", "--method", "dilocox", "--overlap", "delayed", "--local-steps", 8, "--steps", 20,
-        "--throughput-warmup-steps", 2, final_sync, *SMALL_RUN, "--out", out,
+        "run", "--profile", "1gbps", "--method", "dilocox", "--set", "overlap=delayed", "--set", "local_steps=8",
+        "--steps", 20, "--throughput-warmup-steps", 2, "--set", final_sync, *SMALL_RUN, "--out", out,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)

@@ -23,7 +23,7 @@ def test_one_slow_site_among_four(tmp_path):
     out = tmp_path / "run"
     result = harness(
         "run", "--profile", "straggler-1gbps-one-site-100mbps", "--clusters", 4, "--method", "opendiloco",
-        "--local-steps", 5, "--steps", 15, *SMALL_RUN, "--out", out,
+        "--set", "local_steps=5", "--steps", 15, *SMALL_RUN, "--out", out,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
@@ -46,7 +46,7 @@ def test_a_far_site_has_its_own_delay_on_the_delay_line(tmp_path):
     profile.write_text("inter_cluster: {rate: 100mbit, delay: 10ms}\nsites:\n  1: {delay: 30ms}\n")
     out = tmp_path / "run"
     result = harness(
-        "run", "--profile", profile, "--method", "dilocox", "--local-steps", 5, "--steps", 10, *SMALL_RUN,
+        "run", "--profile", profile, "--method", "dilocox", "--set", "local_steps=5", "--steps", 10, *SMALL_RUN,
         "--link-emulator", "userspace", "--out", out,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from tests.trainers.spawn import run_scenarios
 from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
-from trainers.dilocox import DiLoCoX, DiLoCoXConfig
 from trainers.method import MethodContext
+from trainers.methods.dilocox import DiLoCoX, DiLoCoXConfig
 from trainers.registry import build_method, method_config
 
 WORLD = 2
@@ -50,14 +50,17 @@ def test_the_default_lead_is_a_tenth_of_the_round():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"overlap": "sometimes"}, "--overlap must be one of none, delayed, eager, streaming; got 'sometimes'"),
-        ({"overlap_steps": -1}, "--overlap-steps must be at least 0, got -1"),
-        ({"overlap": "streaming", "local_steps": 5, "overlap_steps": 5}, "--overlap-steps must be below --local-steps"),
-        ({"merge_alpha": 1.5}, r"--merge-alpha must be in \[0, 1\], got 1.5"),
-        ({"merge_alpha": -0.1}, "--merge-alpha"),
+        (
+            {"overlap": "sometimes"},
+            r"overlap (must be|takes) one of none, delayed, eager, streaming[;,] got 'sometimes'",
+        ),
+        ({"overlap_steps": -1}, "overlap_steps must be at least 0, got -1"),
+        ({"overlap": "streaming", "local_steps": 5, "overlap_steps": 5}, "overlap_steps must be below local_steps"),
+        ({"merge_alpha": 1.5}, r"merge_alpha must be in \[0, 1\], got 1.5"),
+        ({"merge_alpha": -0.1}, "merge_alpha"),
     ],
 )
-def test_bad_overlap_settings_name_the_flag(options, message):
+def test_bad_overlap_settings_name_the_setting(options, message):
     with pytest.raises(ValueError, match=message):
         DiLoCoXConfig(**options)
     with pytest.raises(ValueError, match=message):
@@ -69,25 +72,15 @@ def test_tau_is_checked_only_where_it_is_used():
     assert DiLoCoXConfig(overlap="streaming", local_steps=6, overlap_steps=5, merge_alpha=1.0).overlap_steps == 5
 
 
-def test_cli_offers_the_modes_and_keeps_no_overlap():
-    from click.testing import CliRunner
+def test_the_modes_are_a_setting_and_a_switch_of_before_still_reads():
+    """--set overlap=MODE; a recorded or swept true/false (overlap was a switch) reads as delayed/none."""
+    from harness.run.settings import parse_assignments, run_settings
 
-    from harness import cli
-    from harness.cli.run import run
-
-    shown = CliRunner().invoke(cli.main, ["run", "--help"]).output
-    assert "--overlap [none|delayed|eager|streaming]" in shown
-    assert "--overlap-steps INTEGER" in shown and "--merge-alpha FLOAT" in shown
-    assert "--no-overlap" not in shown  # a hidden alias: the modes are the documented way
-
-    def parsed(args: list[str]) -> str | None:
-        with run.make_context("run", ["--method", "dilocox", *args]) as ctx:
-            return ctx.params["overlap"]
-
-    assert parsed([]) is None  # unset: the method's default
-    assert parsed(["--no-overlap"]) == "none"
-    assert parsed(["--overlap", "eager"]) == "eager"
-    assert method_config("dilocox", {"overlap": parsed(["--no-overlap"])}).overlap == "none"
+    given = run_settings("dilocox", parse_assignments(["overlap=eager"]))
+    assert method_config("dilocox", given).overlap == "eager"
+    assert method_config("dilocox", run_settings("dilocox", parse_assignments(["overlap=none"]))).overlap == "none"
+    assert method_config("dilocox", {"overlap": False}).overlap == "none"
+    assert method_config("dilocox", {"overlap": True}).overlap == "delayed"
 
 
 # ----------------------------------------------------------------------------------------------------------

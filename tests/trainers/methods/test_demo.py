@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import trainers.demo as demo_module
+import trainers.methods.demo as demo_module
 from tests.trainers.spawn import run_ranks
 from trainers.comm import allgather_payload_bytes
 from trainers.config import OptimConfig
-from trainers.demo import DeMo, DeMoConfig
 from trainers.method import MethodContext
+from trainers.methods.demo import DeMo, DeMoConfig
 from trainers.models import DecoderLM, get_model_config
 from trainers.registry import method_config, method_options
 
@@ -126,22 +126,22 @@ def assert_matches_reference(actual, expected, decoded) -> None:
 
 
 @pytest.mark.parametrize(
-    ("options", "flag"),
+    ("options", "setting"),
     [
-        ({"compression_decay": -0.1}, "--compression-decay"),
-        ({"compression_decay": 1.0}, "--compression-decay"),
-        ({"compression_decay": math.nan}, "--compression-decay"),
-        ({"compression_topk": 0}, "--compression-topk"),
-        ({"compression_topk": 2.5}, "--compression-topk"),
-        ({"compression_chunk": 0}, "--compression-chunk"),
-        ({"demo_lr": 0.0}, "--demo-lr"),
-        ({"demo_lr": math.inf}, "--demo-lr"),
-        ({"demo_weight_decay": -1.0}, "--demo-weight-decay"),
-        ({"demo_lr": 0.5, "demo_weight_decay": 2.0}, "--demo-weight-decay"),
+        ({"compression_decay": -0.1}, "compression_decay"),
+        ({"compression_decay": 1.0}, "compression_decay"),
+        ({"compression_decay": math.nan}, "compression_decay"),
+        ({"compression_topk": 0}, "compression_topk"),
+        ({"compression_topk": 2.5}, "compression_topk"),
+        ({"compression_chunk": 0}, "compression_chunk"),
+        ({"demo_lr": 0.0}, "demo_lr"),
+        ({"demo_lr": math.inf}, "demo_lr"),
+        ({"demo_weight_decay": -1.0}, "demo_weight_decay"),
+        ({"demo_lr": 0.5, "demo_weight_decay": 2.0}, "demo_weight_decay"),
     ],
 )
-def test_bad_config_names_the_flag(options, flag):
-    with pytest.raises(ValueError, match=flag):
+def test_bad_config_names_the_setting(options, setting):
+    with pytest.raises(ValueError, match=setting):
         DeMoConfig(**options)
 
 
@@ -155,7 +155,8 @@ def test_registered_with_the_reference_defaults():
 
 
 def test_chunks_and_basis_follow_the_reference():
-    from trainers.dct import ChunkedDCT, chunk_length, dct_matrix
+    from trainers.compression.dct import ChunkedDCT, dct_matrix
+    from trainers.compression.shapes import chunk_length
 
     for n in (1, 3, 7, 26, 64, 67, 100, 128, 130, 256, 4096):
         for target in (1, 4, 64):

@@ -9,7 +9,7 @@ so C_n^{-1} = C_n^T and the inverse is B = C_h^T X C_w. Orthonormal: a coefficie
 block's energy, which is what top-k by magnitude selects on, and an inverse of a subset of coefficients is exactly
 the part of the block they represent.
 
-Which tensor becomes which blocks, as the reference does it:
+Which tensor becomes which blocks, as the reference does it (trainers/compression/shapes.py):
 
 - the block side along a dimension of length n is the largest divisor of n that is at most the target chunk
   (n itself when n <= target), so blocks tile the tensor exactly, with no padding: 256 -> 64, 130 -> 26, and a
@@ -33,21 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-def chunk_length(n: int, target: int) -> int:
-    """The block side along a dimension of length `n`: its largest divisor that is at most `target`."""
-    if n < 1 or target < 1:
-        raise ValueError(f"a dimension and its target chunk must be at least 1, got {n} and {target}")
-    if n <= target:
-        return n
-    # The divisors of n come in pairs (d, n // d); the largest one <= target is found among all of them.
-    best = 1
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            for divisor in (d, n // d):
-                if divisor <= target:
-                    best = max(best, divisor)
-    return best
+from trainers.compression.shapes import chunk_length, matrix_shape
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,22 +47,13 @@ def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device 
     return basis.to(dtype=dtype, device=device)
 
 
-def as_matrix(shape: Sequence[int]) -> tuple[int, int]:
-    """(rows, cols) a tensor of `shape` is chunked as (module docstring)."""
-    if len(shape) == 0:
-        return 1, 1
-    if len(shape) == 1:
-        return 1, shape[0]
-    return shape[0], math.prod(shape[1:])
-
-
 class ChunkedDCT:
     """The blocks of one tensor shape and the transform both ways: `encode(x)` -> (blocks, h * w) coefficients,
     `decode(coefficients)` -> a tensor of the shape again."""
 
     def __init__(self, shape: Sequence[int], target_chunk: int):
         self.shape = torch.Size(shape)
-        self.rows, self.cols = as_matrix(self.shape)
+        self.rows, self.cols = matrix_shape(self.shape)
         self.h, self.w = chunk_length(self.rows, target_chunk), chunk_length(self.cols, target_chunk)
 
     @property

@@ -17,17 +17,10 @@ import torch.distributed as dist
 from tests.trainers.spawn import run_ranks
 from tests.trainers.toy import TOY_OPTIM, clones
 from trainers.comm import allgather_payload_bytes
+from trainers.compression.chunked_topk import ChunkedTopK, chunk_layout
 from trainers.method import MethodContext
+from trainers.methods.sparseloco import SparseLoCo, SparseLoCoConfig
 from trainers.registry import build_method, method_config
-from trainers.sparseloco import (
-    ChunkedTopK,
-    SparseLoCo,
-    SparseLoCoConfig,
-    chunk_layout,
-    pack_bits,
-    packed_nbytes,
-    unpack_bits,
-)
 
 WORLD = 2
 # Small chunks so the toy's tensors hold several: the weight 24 x 16 is six 8 x 8 tiles keeping 8 of 64 values
@@ -118,27 +111,27 @@ def _hand_nbytes(shape: torch.Size, chunk_size: int, density: float, bits: int) 
 
 
 @pytest.mark.parametrize(
-    ("options", "flag"),
+    ("options", "setting"),
     [
-        ({"density": 0.0}, "--density"),
-        ({"density": -0.01}, "--density"),
-        ({"density": 1.5}, "--density"),
-        ({"chunk_size": 0}, "--chunk-size"),
-        ({"bits": 0}, "--bits"),
-        ({"bits": 9}, "--bits"),
-        ({"bits": None}, "--bits"),
-        ({"error_decay": -0.1}, "--error-decay"),
-        ({"error_decay": 1.1}, "--error-decay"),
-        ({"quantization_range": 0.0}, "--quantization-range"),
-        ({"local_steps": 0}, "--local-steps"),
-        ({"outer_lr": 0.0}, "--outer-lr"),
+        ({"density": 0.0}, "density"),
+        ({"density": -0.01}, "density"),
+        ({"density": 1.5}, "density"),
+        ({"chunk_size": 0}, "chunk_size"),
+        ({"bits": 0}, "bits"),
+        ({"bits": 9}, "bits"),
+        ({"bits": None}, "bits"),
+        ({"error_decay": -0.1}, "error_decay"),
+        ({"error_decay": 1.1}, "error_decay"),
+        ({"quantization_range": 0.0}, "quantization_range"),
+        ({"local_steps": 0}, "local_steps"),
+        ({"outer_lr": 0.0}, "outer_lr"),
     ],
 )
-def test_bad_settings_name_the_flag(options, flag):
-    with pytest.raises(ValueError, match=flag):
+def test_bad_settings_name_the_setting(options, setting):
+    with pytest.raises(ValueError, match=setting):
         SparseLoCoConfig(**options)
     if options.get("bits", 1) is not None:
-        with pytest.raises(ValueError, match=flag):
+        with pytest.raises(ValueError, match=setting):
             method_config("sparseloco", options)
 
 
@@ -152,21 +145,6 @@ def test_defaults_are_the_published_ones():
 # ----------------------------------------------------------------------------------------------------------
 # The compressor
 # ----------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("width", [0, 1, 2, 3, 7, 8, 12, 13, 16, 24])
-@pytest.mark.parametrize("count", [0, 1, 5, 8, 333])
-def test_bits_round_trip(width, count):
-    values = torch.randint(0, 2**width, (count,), generator=torch.Generator().manual_seed(width))
-    packed = pack_bits(values, width)
-    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(count, width) == math.ceil(count * width / 8)
-    assert torch.equal(unpack_bits(packed, width, count), values)
-
-
-def test_bits_are_packed_low_first():
-    assert pack_bits(torch.tensor([1, 2, 3, 0]), 2).tolist() == [0b00111001]
-    # Two 12-bit values in three bytes, as templar's 12-bit index packing lays them out.
-    assert pack_bits(torch.tensor([0xABC, 0x123]), 12).tolist() == [0xBC, 0x3A, 0x12]
 
 
 def test_layout_cuts_at_the_largest_divisor():
@@ -267,7 +245,7 @@ def test_sync_plan_declares_the_formula():
 
 
 def _recording_gather(log: list):
-    """trainers.sparseloco's all-gather, recording the bytes this rank hands to the collective and receives."""
+    """trainers.methods.sparseloco's all-gather, recording the bytes this rank hands to the collective and receives."""
     from trainers import comm
 
     def gather(payload, group):
@@ -280,7 +258,7 @@ def _recording_gather(log: list):
 
 def _replicas_scenario(rank: int, rounds: int, stages: int) -> dict:
     """`WORLD` replicas of `stages` stages (rank = replica * stages + stage); each rank syncs its own stage."""
-    import trainers.sparseloco as sparseloco
+    import trainers.methods.sparseloco as sparseloco
 
     replica, stage = divmod(rank, stages)
     dp_groups = [dist.new_group([r * stages + s for r in range(WORLD)]) for s in range(stages)]

@@ -27,7 +27,7 @@ it put on the wire (Q_i less its rounding, a whole tensor less its), so the shar
 exactly and error feedback keeps the wire's rounding for the next round. The rounding of P needs no keeping: it
 only moves span(P^), which every replica then uses alike. Under int8 and int4 every tensor's part of a buffer
 starts on a bucket boundary, so no bucket mixes two tensors' scales.
-A tensor whose factors would not be smaller than it (1-D, a small matrix; compression.goes_as_factors) travels
+A tensor whose factors would not be smaller than it (1-D, a small matrix; lowrank.goes_as_factors) travels
 whole in the first all-reduce. `extra` (a few values, DiLoCoX's rank estimate) rides in the first buffer too, so it
 needs no collective or round trip of its own.
 """
@@ -35,6 +35,7 @@ needs no collective or round trip of its own.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -43,10 +44,13 @@ import torch
 import torch.distributed as dist
 
 from trainers.comm import allreduce_payload_bytes, quantized_ring_payload_bytes, quantized_ring_sum
-from trainers.compression import Shape, goes_as_factors, matrix_shape, quantized_nbytes, resized_basis
+from trainers.compression.lowrank import goes_as_factors, resized_basis
+from trainers.compression.quantize import quantized_nbytes
+from trainers.compression.shapes import Shape, matrix_shape
 
 Wire = Literal["bf16", "int8", "int4", "fp32"]  # fp32: exact sums, for tests
-WIRES: tuple[str, ...] = ("bf16", "int8", "int4")
+RunWire = Literal["bf16", "int8", "int4"]  # what a run may choose (its setting's type lists these)
+WIRES: tuple[str, ...] = typing.get_args(RunWire)
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CODE_BITS = {"int8": 8, "int4": 4}  # the wires that travel as codes through comm.quantized_ring_sum
 CODE_BUCKET = 128
@@ -89,8 +93,8 @@ def check_rank(shapes: Sequence[Shape], rank: int) -> None:
         return
     useful = [(m * n - 1) // (m + n) for m, n in (matrix_shape(s) for s in shapes if len(s) >= 2)]
     raise ValueError(
-        f"--rank {rank} leaves no matrix of this model factored under --exchange reduce (every rank-{rank} factor "
-        f"pair is as large as its matrix); use --rank {max(useful, default=1)} or lower"
+        f"rank={rank} leaves no matrix of this model factored under exchange=reduce (every rank-{rank} factor "
+        f"pair is as large as its matrix); use --set rank={max(useful, default=1)} or lower"
     )
 
 
@@ -126,7 +130,7 @@ def payload_bytes(shapes: Sequence[Shape], rank: int, replicas: int, extra: int 
 
 class PowerSGDReducer:
     """The shared-basis exchange of one pipeline stage's tensors. The rank is given per exchange (DiLoCoX adapts
-    it between rounds, identically on every replica); the basis follows it (compression.resized_basis)."""
+    it between rounds, identically on every replica); the basis follows it (lowrank.resized_basis)."""
 
     def __init__(self, seed: int, wire: Wire = "bf16") -> None:
         self.seed = seed  # the run's seed: the same on every replica, so their first Q0 agree

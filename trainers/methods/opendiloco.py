@@ -17,12 +17,12 @@ pseudo-gradient, so H and the outer learning rate mean the same at every cluster
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from trainers.comm import all_reduce_sum, flatten, unflatten_into
-from trainers.compression import CAST_DTYPES, CastDtype
+from trainers.compression.cast import CAST_DTYPES, CastDtype
 from trainers.method import (
     BlockingRounds,
     Exchange,
@@ -40,13 +40,30 @@ from trainers.optim import OuterOptimizer, validate_outer
 class OpenDiLoCoConfig(MethodConfig):
     """OpenDiLoCo's published settings; benchmarks on small models use a much smaller H."""
 
-    local_steps: int = 500
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    pseudo_grad_dtype: CastDtype = "fp16"
-    # Synchronize the steps of an unfinished last round in finish(), so every trained token is in the final model;
-    # --no-final-sync drops them, as DiLoCo does (they then do not count as applied tokens).
-    final_sync: bool = True
+    local_steps: int = field(
+        default=500,
+        metadata={"help": "H: inner AdamW steps each replica trains alone between two outer steps (steps per round)."},
+    )
+    outer_lr: float = field(
+        default=0.7,
+        metadata={"help": "Learning rate of the outer Nesterov SGD step on the averaged pseudo-gradient; above 0."},
+    )
+    outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer SGD step, in [0, 1)."})
+    pseudo_grad_dtype: CastDtype = field(
+        default="fp16",
+        metadata={
+            "help": "The dtype pseudo-gradients are cast to, sent and summed in by the all-reduce: fp16, bf16 or "
+            "fp32 (2, 2 or 4 bytes per value)."
+        },
+    )
+    final_sync: bool = field(
+        default=True,
+        metadata={
+            "help": "Synchronize the steps of an unfinished last round at the end of the run, so every trained token "
+            "is in the final model; final_sync=false drops them, as DiLoCo does (they then do not count as applied "
+            "tokens)."
+        },
+    )
 
     def max_syncs(self, steps: int) -> int:
         """How many outer steps a run of `steps` steps takes."""
@@ -61,7 +78,7 @@ class OpenDiLoCoConfig(MethodConfig):
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
         if self.pseudo_grad_dtype not in CAST_DTYPES:
             raise ValueError(
-                f"--pseudo-grad-dtype must be one of {', '.join(CAST_DTYPES)}, got {self.pseudo_grad_dtype!r}"
+                f"pseudo_grad_dtype must be one of {', '.join(CAST_DTYPES)}, got {self.pseudo_grad_dtype!r}"
             )
 
 

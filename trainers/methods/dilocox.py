@@ -2,106 +2,35 @@
 the next inner steps, and a compression rank and round length that adapt to the pseudo-gradients.
 
 Each rank holds one pipeline stage of one replica and runs everything below for that stage alone, with the same
-stage of the other clusters (the data-parallel group, across the slow link); nothing holds the whole model.
-theta is the stage's fp32 master copy, identical on every replica, that evaluation runs on. Round t runs H_t inner
-AdamW steps from the replica's start point s_i (theta itself, except under `eager`), then, per parameter tensor:
+stage of the other clusters (the data-parallel group, across the slow link). theta is the stage's fp32 master copy,
+identical on every replica. Round t runs H_t inner AdamW steps from the replica's start point s_i, then, per tensor:
 
     delta_i = s_i - theta_i                                 replica i's pseudo-gradient of round t
     c_i     = delta_i + e_i                                 error feedback: add what earlier rounds dropped
     P_i     = C_Q(C_L(c_i; r_t)),  e_i = c_i - D(P_i)       rank-r_t factors, int-q quantized (1-D: only int-q)
     Delta_t = mean_j D(P_j)                                 all-gather every payload, decode each, average
+    m <- mu m + Delta_t,  theta <- theta - eta (Delta_t + mu m)          the outer Nesterov step, OuterSGD
 
-A sum of low-rank factors is not the factor of a sum, so the payloads are gathered (one flat uint8 buffer per
-replica) and every rank decodes and averages all of them, in rank order, so Delta_t is bit-identical everywhere.
-`--exchange reduce` instead starts every replica from one shared basis, so the factors add and two all-reduces carry
-them (trainers/powersgd.py): each site sends 2(n-1)/n of a payload where the gather sends n-1 payloads.
-D(P_i), the replica's own share of Delta_t times n (n replicas), is what the replica itself sent.
-`--no-compression` sends fp16 pseudo-gradients through an fp16 all-reduce instead, as OpenDiLoCo does, without
-error feedback; with overlap, compression and adaptation all off this is OpenDiLoCo exactly.
+The payloads are gathered, since a sum of low-rank factors is not the factor of a sum; every rank decodes them in
+rank order, so Delta_t is bit-identical everywhere. `exchange=reduce` starts every replica from one shared basis so
+the factors add and two all-reduces carry them (trainers/compression/powersgd.py). `compression=false` sends fp16
+pseudo-gradients through an all-reduce, as OpenDiLoCo does; with overlap, compression and adaptation off this is
+OpenDiLoCo exactly.
 
-Applying an average is one outer step on theta, Nesterov SGD with lr eta and momentum mu:
+`overlap` says when Delta_t is applied and where round t+1 starts: `none` waits for it (blocking); `delayed` (the
+paper's Algorithm 2) applies Delta_{t-1} at the end of round t and restarts from that theta; `eager` (arXiv
+2502.12996) commits as `delayed` but restarts from a look-ahead holding the replica's own fresh share,
+s_i = theta_t - eta (1 + mu) D(P_i^t) / n; `streaming` (the default, arXiv 2501.18512) starts the exchange tau =
+`overlap_steps` steps before the round ends and blends at its end, theta_i = alpha theta_i + (1 - alpha) theta_t.
 
-    m <- mu m + Delta,   theta <- theta - eta (Delta + mu m)          OuterSGD(theta, Delta)
+Adaptation (`adaptive`): each replica estimates the rank of c_i before compressing it (the mean over matrices of the
+smallest rank holding `energy` of the squared norm), the estimates are averaged over replicas (16 bytes, sent with
+the payload) and stages, and from the round after that exchange is applied r_t = clamp(ceil(mean of the last c =
+`rank_window` estimates), `min_rank`, r_1) and H_t = min(`max_local_steps`, round(H_1 r_1 / r_t)) on every rank.
 
-`--overlap` says when the average of round t is applied and where round t+1 starts:
-
-  none       blocking DiLoCo with compression: wait for Delta_t at the end of round t, theta_t = OuterSGD(theta_{t-1},
-             Delta_t), every replica restarts from theta_t.
-
-  delayed    the paper's one-step-delay overlap (Algorithm 2; with `--local-steps 125`, DiLoCoX as published). At
-             the end of round t the exchange of round t starts, then the method waits for round t-1's, which ran behind
-             round t's inner steps:
-                 theta_t = OuterSGD(theta_{t-1}, Delta_{t-1}),   s_i = theta_t
-             Round 1 has no average before it: theta_1 = theta_0, and round 2 restarts from theta_0, its round-1
-             progress travelling as delta_1. Every update is exactly one round stale, and round t+1 starts from a
-             theta that lacks all of round t's progress, so it largely redoes it before both are applied: a
-             delayed-gradient loop through the momentum.
-             On one quadratic direction whose round contracts it by k (delta = k (s - theta*), 0 < k <= 1), the
-             loop's worst spectral radius is 1.28 at eta 0.7, mu 0.9 (it diverges; the blocking loop's is 0.95),
-             and it stays below 1 only for eta < 0.25 at mu 0.9, 0.56 at mu 0.5, 1 at mu 0 (blocking: > 1.3).
-             Measured (docs/studies.md, "DiLoCoX convergence"): at 0.7 / 0.9 it diverges; at 0.4 / 0.5, inside the
-             region, it converges but ends far above blocking DiLoCo, so it is not the default.
-
-  eager      Eager updates (arXiv 2502.12996, "Eager Updates for Overlapped Communication and Computation in
-             DiLoCo"): theta is committed as under `delayed`, momentum updated once, but the replica restarts from
-             a look-ahead that already holds its own fresh share of round t, the only part of Delta_t it has:
-                 theta_t = OuterSGD(theta_{t-1}, Delta_{t-1})
-                 s_i     = theta_t - eta (1 + mu) D(P_i^t) / n
-             That is the outer step from (theta_{t-1}, m_{t-1}) with Delta_{t-1} + D(P_i^t)/n in place of Delta_{t-1},
-             by hand (the step is linear in its gradient, whose own new term enters Nesterov's update with weight
-             1 + mu), without touching m. The paper applies g_i = Delta_{t-1} - D(P_i^{t-1})/n + D(P_i^t)/n (its own
-             stale share swapped for its fresh one) to the replica's running outer point, which holds D(P_i^{t-1})/n
-             already; on the committed theta, which holds it only inside Delta_{t-1}, the same point is the formula
-             above (exactly so at mu = 0; with one replica and mu = 0 this is blocking DiLoCo). No extra bytes.
-
-  streaming  the default. Streaming DiLoCo's overlap (arXiv 2501.18512; torchft local_sgd.py, fragment_sync_delay and
-             fragment_update_alpha): the exchange of round t starts tau = `--overlap-steps` inner steps before the
-             round ends (delta from the weights of step H_t - tau), runs behind those tau steps, and is applied at
-             the round's end, where the replica blends its weights with the new theta:
-                 theta_t = OuterSGD(theta_{t-1}, Delta_t),   theta_i = alpha theta_i + (1 - alpha) theta_t
-             with alpha = `--merge-alpha` the weight of the local copy, as torchft's lerp(global, local, alpha).
-             The next pseudo-gradient is measured from theta_t, so the last tau steps reach theta through the next
-             round at weight alpha (alpha = 0 drops them). tau = 0, alpha = 0 is `none` exactly.
-
-The end of a run is an ordinary outer step in every mode (the rule of trainers/method.py, Method.finish): the last
-round's exchange carries every step trained since the one before, and no outer step is taken on a round without new
-inner steps. Under `streaming` the round in which training ends starts its exchange at its end, not tau steps
-before (it blocks, as `none` does): started early, its last tau steps would be left in the local weights, and
-exchanging them after training is a whole Nesterov step, momentum and all, on a round with no new inner steps,
-which no other mode or method gets (a 30-step, H = 10 run's val loss fell 3.625 -> 3.528 from it). finish()
-exchanges the steps of an unfinished last round as a shorter round (`--no-final-sync` drops them, as DiLoCo does),
-then waits for what is in flight and applies it, so training ends on a theta holding every round, and every replica
-holds theta. applied_steps() counts the steps whose exchange has been applied; under `streaming` the tau steps after
-a round's snapshot count only once an exchange carries them (alpha > 0: the next round's, or the last round's own;
-alpha = 0 drops them, except in the last round).
-
-Adaptation (`--no-adaptive` keeps r_1 and H_1). Each replica estimates the rank of what it is about to compress,
-before compression, so the estimate can see more than the rank r_t that will be sent:
-
-    rhat_i = mean over the stage's matrices W of estimate_rank(c_i,W, energy)
-                  estimate_rank: the smallest rank whose singular values hold `energy` of ||c_W||^2
-    rhat   = ceil(mean over replicas and stages)     [sum, count] all-reduced over the data-parallel group
-                                                     (16 bytes on the slow link, sent with the payload and counted
-                                                     in it) and, when the exchange lands, over the pipeline group
-    r      = clamp(ceil(mean of the window), min_rank, r_1)     the window: the last c = rank_window values of
-                                                                rhat, initially c copies of r_1
-    H      = min(max_local_steps, round(H_1 * r_1 / r))
-
-applied when the exchange that carried rhat is applied, from the round that starts then, identically on every rank
-of every cluster. So r falls when the pseudo-gradients' energy concentrates and rises again, up to r_1, when it
-spreads; a smaller rank gives longer rounds, and the bytes per token, proportional to r / H = r^2 / (H_1 r_1), fall
-with the rank. The mean over matrices rather than the max: one r serves every matrix of the replica, and the max
-is set by the single highest-rank matrix (on the tiny model the token and position embeddings), while error
-feedback carries what a matrix's rank-r payload misses into its next round. With `--no-adaptive` the estimate is
-logged but not exchanged: it is this replica's own, pooled over its stages. With compression off, r only sets H.
-The power iteration's warm start survives the changes of r (LowRankQuantizeCompressor.warm_start).
-
-Per sync the method reports (the train loop prefixes `sync_`): round, rank_r and local_steps_h of the round just
-sent, round_steps, estimated_rank of the exchange applied, compression_error = ||c - D(P)|| / ||c|| over the stage
-(under `--exchange reduce`: of the exchange applied) and its square beside two bounds on it (omega2_bounds: the
-paper's Lemma 3.6 as the public review quotes it, and the corrected one), and a monitor at every applied average:
-cosine(Delta_t, Delta_{t-1}), step_norm_ratio and staleness (trainers/round_metrics.py says what each means and how
-the bounds are derived).
+A run ends on an ordinary outer step in every mode (trainers/method.py, Method.finish): an unfinished last round is
+exchanged as a shorter one (`final_sync=false` drops it), then everything in flight is applied. The formulas of each
+mode, why `delayed` diverges at the paper's outer lr, and what each sync reports: docs/methods.md, "exactly".
 """
 
 from __future__ import annotations
@@ -115,16 +44,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from trainers import powersgd
 from trainers.comm import InFlight, InThread, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
-from trainers.compression import (
-    ErrorFeedback,
-    LowRankQuantizeCompressor,
-    estimate_rank,
-    mean_of_payloads,
-    relative_error,
-    validate_quantization_flags,
-)
+from trainers.compression import powersgd
+from trainers.compression.compressors import LowRankQuantizeCompressor, mean_of_payloads
+from trainers.compression.error_feedback import ErrorFeedback, relative_error
+from trainers.compression.lowrank import estimate_rank
+from trainers.compression.quantize import validate_quantization_flags
 from trainers.method import (
     Exchange,
     Method,
@@ -146,7 +71,7 @@ EXCHANGES: tuple[str, ...] = ("gather", "reduce")
 # The rank estimate's all-reduce: [sum of the matrices' estimates, matrices] (_rank_totals).
 RANK_TOTALS_DTYPE = torch.float64
 RANK_TOTALS_BYTES = 2 * RANK_TOTALS_DTYPE.itemsize
-# Under --exchange reduce the estimate rides in P's all-reduce: one value, the replica's mean over its matrices / n.
+# Under exchange=reduce the estimate rides in P's all-reduce: one value, the replica's mean over its matrices / n.
 REDUCED_ESTIMATE_VALUES = 1
 
 
@@ -154,116 +79,191 @@ REDUCED_ESTIMATE_VALUES = 1
 class DiLoCoXConfig(MethodConfig):
     """DiLoCoX's published settings (int4, c = 5), with r_1 and the factoring chosen by our convergence study, the
     overlap that converged there (streaming) in place of the paper's one-step delay, which is `overlap="delayed"`,
-    and a round length for the harness's runs in place of the paper's H_1 = 125 (`--local-steps 125`).
+    and a round length for the harness's runs in place of the paper's H_1 = 125 (`local_steps=125`).
 
-    H_1 = 20: the harness's default run (trainers/config.py TrainConfig: tiny, 200 steps) synchronizes 7 times at
-    it (six rounds, which adaptation lengthens from 20 to 44 steps, and a partial last one), enough for its
-    throughput to say something about communication; at 125 it synchronized twice. The paper's 125 fits its runs of
-    thousands of steps.
+    H_1 = 20: the harness's default run (tiny, 200 steps) synchronizes 7 times at it (six rounds, which adaptation
+    lengthens from 20 to 44 steps, and a partial last one), enough for its throughput to say something about
+    communication; at 125 it synchronized twice. The paper's 125 fits its runs of thousands of steps.
 
     r_1 = 64 with two power iterations trained closest to AllReduce while sending >= 500x fewer bytes (docs/studies.md,
-    "DiLoCoX convergence"): +6.7% on the tiny model (r_1 = 32 with one: +10.5%), +4.4% on the small one (+8.5%).
+    "DiLoCoX convergence"): +6.7% on the tiny model (r_1 = 32 with one: +10.5%), +4.4% on the small one (+8.5%);
+    the paper does not say how it factors, and PowerSGD's one warm-started iteration lags a moving pseudo-gradient.
     It is hidden / 2 on tiny, where a 128 x 128 matrix's rank-64 factors are no smaller than the matrix, so those
     go whole until r_t falls below 64, and hidden / 6 on small; the paper's r_1 = 2048 is hidden / 4 of its 8192.
     """
 
-    local_steps: int = 20  # H_1 (the docstring)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    rank: int = 64  # r_1, and the most r_t ever is
-    bits: int = 4  # q
-    bucket_size: int = 128
-    # Power iterations per matrix per round (LowRankQuantizeCompressor): compute only, no bytes. The paper does not
-    # say how it factors; PowerSGD's one warm-started iteration lags a pseudo-gradient that moves between rounds
-    # (two: 1-2% lower final loss on every seed of the study, at r_1 = 64).
-    power_iterations: int = 2
-    # none | delayed | eager | streaming (the module docstring). A bool is read as it was when this was a switch:
-    # True is the paper's delayed update, False none, so `--set overlap=true,false` sweeps keep their meaning.
+    local_steps: int = field(
+        default=20,
+        metadata={
+            "help": "H_1: inner AdamW steps of the first round (steps per round); adaptation lengthens later rounds "
+            "up to max_local_steps. The paper's is 125."
+        },
+    )
+    outer_lr: float = field(
+        default=0.7, metadata={"help": "eta: learning rate of the outer Nesterov SGD step on theta; above 0."}
+    )
+    outer_momentum: float = field(
+        default=0.9, metadata={"help": "mu: Nesterov momentum of the outer SGD step, in [0, 1)."}
+    )
+    rank: int = field(
+        default=64,
+        metadata={
+            "help": "r_1: the rank of each pseudo-gradient matrix's low-rank factors in the first round, and the most "
+            "adaptation ever raises it to; at least 1."
+        },
+    )
+    bits: int = field(
+        default=4,
+        metadata={
+            "help": "q: bits per value of the quantized factors (1-D tensors are only quantized): 2, 4 or 8. Unused "
+            "under exchange=reduce or compression=false."
+        },
+    )
+    bucket_size: int = field(
+        default=128,
+        metadata={"help": "Values per quantization bucket, each bucket with its own fp16 scale; at least 1."},
+    )
+    power_iterations: int = field(
+        default=2,
+        metadata={
+            "help": "Power iterations per matrix per round that find the factors: compute only, no bytes; at least "
+            "1. Unused under exchange=reduce (one warm-started iteration) or compression=false."
+        },
+    )
     overlap: Overlap = field(
         default="streaming",
         metadata={
-            "help": "When a round's average is applied: streaming (the default: the exchange overlaps the round's "
-            "last --overlap-steps steps), none (blocking), eager, or delayed, the paper's one-step-delay update "
-            "(Algorithm 2): with --local-steps 125 it is DiLoCoX exactly as published, and diverges at its outer lr "
-            "0.7 and momentum 0.9 (docs/studies.md, 'DiLoCoX convergence')."
+            "help": "When a round's average is applied and where the next round starts (trainers/methods/dilocox.py): "
+            "streaming (the exchange runs behind the round's last overlap_steps steps, then the local weights blend "
+            "with theta by merge_alpha), none (blocking), eager (one round stale, restarting from a look-ahead that "
+            "holds the replica's own fresh share), or delayed, the paper's one-step-delay update (Algorithm 2): with "
+            "local_steps=125 it is DiLoCoX exactly as published, and diverges at its outer lr 0.7 and momentum 0.9 "
+            "(docs/studies.md, 'DiLoCoX convergence'). true reads as delayed, false as none."
         },
     )
-    # tau: streaming's exchange starts this many inner steps before the round ends; None: H_1 // 10, what the
-    # convergence study ran (5 at H = 50).
-    overlap_steps: int | None = None
-    merge_alpha: float = 0.5  # streaming: the local copy's weight in the blend with theta (torchft's alpha)
+    overlap_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "tau, under overlap=streaming: the exchange starts this many inner steps before the round ends "
+            "and runs behind them; at least 0 and below local_steps. none: local_steps // 10, what the convergence "
+            "study ran (5 at H = 50)."
+        },
+    )
+    merge_alpha: float = field(
+        default=0.5,
+        metadata={
+            "help": "alpha, under overlap=streaming: the local copy's weight when a replica blends its weights with "
+            "the new theta at a round's end (torchft's alpha), in [0, 1]; 0 restarts from theta, dropping the steps "
+            "taken while the exchange ran."
+        },
+    )
     exchange: ExchangeDesign = field(
         default="gather",
         metadata={
             "help": "How the compressed pseudo-gradients travel: gather (the paper's: every replica's factors to every "
             "other, n-1 payloads per site) or reduce (PowerSGD's shared basis: factors add, 2(n-1)/n of one payload "
-            "per site; --bits and --power-iterations unused, not with --overlap eager; trainers/powersgd.py)."
+            "per site; bits and power_iterations unused, not with overlap=eager or compression=false; "
+            "trainers/compression/powersgd.py)."
         },
     )
-    reduce_wire: powersgd.Wire = field(
+    reduce_wire: powersgd.RunWire = field(
         default="bf16",
         metadata={
-            "help": "--exchange reduce: bf16, or int8 or int4 through a ring that re-quantizes each hop (half or a "
-            "quarter of the bytes)."
+            "help": "Under exchange=reduce, what the all-reduces carry: bf16, or int8 or int4 through a ring that "
+            "re-quantizes each hop (half or a quarter of bf16's bytes)."
         },
     )
-    adaptive: bool = True
-    compression: bool = True
-    rank_window: int = 5  # c
-    energy: float = 0.9
-    min_rank: int = 4
-    max_local_steps: int | None = None  # None: 4 * local_steps
-    # Synchronize the steps of an unfinished last round in finish() (blocking), so every trained token is in the
-    # final theta; --no-final-sync drops them, as DiLoCo does (they then do not count as applied tokens).
-    final_sync: bool = True
+    adaptive: bool = field(
+        default=True,
+        metadata={
+            "help": "Adapt the rank and the round length every round from the pseudo-gradients' estimated rank (a "
+            "lower rank, longer rounds); adaptive=false keeps rank and local_steps and only logs the estimate."
+        },
+    )
+    compression: bool = field(
+        default=True,
+        metadata={
+            "help": "Send rank-r, int-q factors with error feedback; compression=false sends fp16 pseudo-gradients "
+            "through one fp16 all-reduce instead, as OpenDiLoCo does (the rank then only sets the round length)."
+        },
+    )
+    rank_window: int = field(
+        default=5,
+        metadata={
+            "help": "c: how many of the latest rank estimates the next rank is the mean of (rounded up, kept between "
+            "min_rank and rank; the window starts as c copies of rank); at least 1."
+        },
+    )
+    energy: float = field(
+        default=0.9,
+        metadata={
+            "help": "A matrix's estimated rank is the smallest whose singular values hold this fraction of its squared "
+            "norm, in (0, 1]."
+        },
+    )
+    min_rank: int = field(default=4, metadata={"help": "The lowest rank adaptation may choose, between 1 and rank."})
+    max_local_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "The longest round adaptation may choose, in steps; at least local_steps. none: 4 x local_steps."
+        },
+    )
+    final_sync: bool = field(
+        default=True,
+        metadata={
+            "help": "Synchronize the steps of an unfinished last round at the end of the run (blocking), so every "
+            "trained token is in the final theta; final_sync=false drops them, as DiLoCo does (they then do not "
+            "count as applied tokens)."
+        },
+    )
 
     def __post_init__(self) -> None:
         # method_config turns the string "none" into None (its "switch it off"), so None is `none` too.
         if self.overlap is None or isinstance(self.overlap, bool):
             object.__setattr__(self, "overlap", "delayed" if self.overlap else "none")
         if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"--overlap must be one of {', '.join(OVERLAP_MODES)}; got {self.overlap!r}")
+            raise ValueError(f"overlap must be one of {', '.join(OVERLAP_MODES)}; got {self.overlap!r}")
         validate_outer(self.local_steps, self.outer_lr, self.outer_momentum)
         if self.overlap_steps is None:
             object.__setattr__(self, "overlap_steps", self.local_steps // 10)
         if self.exchange not in EXCHANGES:
-            raise ValueError(f"--exchange must be one of {', '.join(EXCHANGES)}; got {self.exchange!r}")
+            raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}; got {self.exchange!r}")
         if self.reduce_wire not in powersgd.WIRES:
-            raise ValueError(f"--reduce-wire must be one of {', '.join(powersgd.WIRES)}; got {self.reduce_wire!r}")
+            raise ValueError(f"reduce_wire must be one of {', '.join(powersgd.WIRES)}; got {self.reduce_wire!r}")
         if self.exchange == "reduce" and not self.compression:
             raise ValueError(
-                "--exchange reduce reduces low-rank factors, which --no-compression turns off (it already sends fp16 "
+                "exchange=reduce reduces low-rank factors, which compression=false turns off (it already sends fp16 "
                 "pseudo-gradients through one all-reduce); drop one of the two"
             )
         if self.exchange == "reduce" and self.overlap == "eager":
             raise ValueError(
-                "--overlap eager restarts from the replica's own decoded share, which --exchange reduce knows only "
-                "once its first all-reduce is done; use --overlap streaming, none or delayed with it"
+                "overlap=eager restarts from the replica's own decoded share, which exchange=reduce knows only "
+                "once its first all-reduce is done; use --set overlap=streaming, none or delayed with it"
             )
         if self.overlap_steps < 0:
-            raise ValueError(f"--overlap-steps must be at least 0, got {self.overlap_steps}")
+            raise ValueError(f"overlap_steps must be at least 0, got {self.overlap_steps}")
         # H_t never falls below H_1, so tau < H_1 leaves every round some steps before its exchange starts.
         if self.overlap == "streaming" and self.overlap_steps >= self.local_steps:
             raise ValueError(
-                f"--overlap-steps must be below --local-steps ({self.local_steps}) with --overlap streaming, "
+                f"overlap_steps must be below local_steps ({self.local_steps}) with overlap=streaming, "
                 f"got {self.overlap_steps}"
             )
         if not 0 <= self.merge_alpha <= 1:
-            raise ValueError(f"--merge-alpha must be in [0, 1], got {self.merge_alpha}")
+            raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
         if self.rank < 1:
-            raise ValueError(f"--rank must be at least 1, got {self.rank}")
+            raise ValueError(f"rank must be at least 1, got {self.rank}")
         validate_quantization_flags(self.bits, self.bucket_size)
         if self.power_iterations < 1:
-            raise ValueError(f"--power-iterations must be at least 1, got {self.power_iterations}")
+            raise ValueError(f"power_iterations must be at least 1, got {self.power_iterations}")
         if self.rank_window < 1:
-            raise ValueError(f"--rank-window must be at least 1, got {self.rank_window}")
+            raise ValueError(f"rank_window must be at least 1, got {self.rank_window}")
         if not 0 < self.energy <= 1:
-            raise ValueError(f"--energy must be in (0, 1], got {self.energy}")
+            raise ValueError(f"energy must be in (0, 1], got {self.energy}")
         if not 1 <= self.min_rank <= self.rank:
-            raise ValueError(f"--min-rank must be between 1 and --rank ({self.rank}), got {self.min_rank}")
+            raise ValueError(f"min_rank must be between 1 and rank ({self.rank}), got {self.min_rank}")
         if self.max_local_steps is not None and self.max_local_steps < self.local_steps:
             raise ValueError(
-                f"--max-local-steps must be at least --local-steps ({self.local_steps}), got {self.max_local_steps}"
+                f"max_local_steps must be at least local_steps ({self.local_steps}), got {self.max_local_steps}"
             )
 
     def max_syncs(self, steps: int) -> int:
@@ -286,7 +286,7 @@ class DiLoCoXConfig(MethodConfig):
 
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """Once a round the rank-r_1 int-q factors' all-gather (fp16 pseudo-gradients' all-reduce without
-        compression) and, with adaptation, the rank estimate's all-reduce beside it, hidden behind what --overlap
+        compression) and, with adaptation, the rank estimate's all-reduce beside it, hidden behind what overlap
         runs while they are in flight. At r_1 and H_1: adaptation lowers r and raises H from there."""
         hidden = {"none": 0, "streaming": self.overlap_steps, "delayed": self.local_steps, "eager": self.local_steps}
         if self.exchange == "reduce":
@@ -348,7 +348,7 @@ class DiLoCoX(Method):
         # The dual optimizer of this stage only: the inner AdamW (the base class's) on the local weights, the
         # outer Nesterov on theta.
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
-        self.compressor = cfg.compressor(ctx.seed)  # under --exchange reduce it only holds r_t
+        self.compressor = cfg.compressor(ctx.seed)  # under exchange=reduce it only holds r_t
         # The run's seed is every replica's, so their shared bases start equal.
         self.reducer = powersgd.PowerSGDReducer(ctx.seed, cfg.reduce_wire) if cfg.exchange == "reduce" else None
         self.error_feedback = ErrorFeedback()  # e_i, per parameter name
@@ -405,7 +405,7 @@ class DiLoCoX(Method):
         )
 
     def _restart(self, sent: _Exchange) -> None:
-        """Where the replica's next round starts (see --overlap in the module docstring)."""
+        """Where the replica's next round starts (see overlap in the module docstring)."""
         if self.cfg.overlap == "eager":
             # s_i = theta_t - eta (1 + mu) D(P_i^t) / n: the committed step had it held this replica's fresh share.
             scale = self.cfg.outer_lr * (1 + self.cfg.outer_momentum) / self.ctx.replicas
@@ -478,9 +478,9 @@ class DiLoCoX(Method):
 
     @torch.no_grad()
     def _send_reduced(self, deltas: list[torch.Tensor], steps: int, fields: dict) -> _Exchange:
-        """--exchange reduce: start the shared-basis exchange (trainers/powersgd.py) on a thread of its own, the
-        rank estimate inside its first all-reduce. Its error feedback is set when its factors are known, so the
-        exchange before must have landed before this round compensates (under delayed it may still be in flight:
+        """exchange=reduce: start the shared-basis exchange (trainers/compression/powersgd.py) on a thread of its
+        own, the rank estimate inside its first all-reduce. Its error feedback is set when its factors are known, so
+        the exchange before must have landed before this round compensates (under delayed it may still be in flight:
         waiting here is time blocked on the link, reported with that exchange)."""
         if self.in_flight is not None:
             self.in_flight.inflight.wait()

@@ -1,6 +1,6 @@
-"""The shared-basis exchange (trainers/powersgd.py) and DiLoCoX's `--exchange reduce`: the rule by hand on fixed
-tensors with one replica; a known low-rank mean, error feedback and the payload in two real processes (gloo over
-loopback), in one spawn."""
+"""The shared-basis exchange (trainers/compression/powersgd.py) and DiLoCoX's `--exchange reduce`: the rule by hand
+on fixed tensors with one replica; a known low-rank mean, error feedback and the payload in two real processes (gloo
+over loopback), in one spawn."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from tests.trainers.spawn import run_scenarios
 from tests.trainers.toy import TOY_OPTIM, clones, method_context, toy_backward, toy_model
 from trainers.comm import allreduce_payload_bytes, quantized_ring_payload_bytes
-from trainers.dilocox import DiLoCoX, DiLoCoXConfig
-from trainers.powersgd import PowerSGDReducer, buffer_numels, factor_rank, payload_bytes
+from trainers.compression.powersgd import PowerSGDReducer, buffer_numels, factor_rank, payload_bytes
+from trainers.methods.dilocox import DiLoCoX, DiLoCoXConfig
 
 WORLD = 2
 
@@ -74,13 +74,13 @@ def test_int8_payload_pads_each_part_to_whole_buckets_and_rides_the_quantized_ri
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"exchange": "scatter"}, "--exchange must be one of gather, reduce"),
-        ({"exchange": "reduce", "compression": False}, "--exchange reduce reduces low-rank factors"),
-        ({"exchange": "reduce", "overlap": "eager"}, "--overlap eager restarts"),
-        ({"exchange": "reduce", "reduce_wire": "int2"}, "--reduce-wire must be one of bf16, int8, int4"),
+        ({"exchange": "scatter"}, "exchange must be one of gather, reduce"),
+        ({"exchange": "reduce", "compression": False}, "exchange=reduce reduces low-rank factors"),
+        ({"exchange": "reduce", "overlap": "eager"}, "overlap=eager restarts"),
+        ({"exchange": "reduce", "reduce_wire": "int2"}, "reduce_wire must be one of bf16, int8, int4"),
     ],
 )
-def test_bad_exchange_settings_name_the_flag(options, message):
+def test_bad_exchange_settings_name_the_setting(options, message):
     with pytest.raises(ValueError, match=message):
         DiLoCoXConfig(**options)
 

@@ -19,12 +19,13 @@ import torch.distributed as dist
 from tests.trainers.spawn import run_scenarios
 from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
-from trainers.compression import low_rank_nbytes, quantized_nbytes
+from trainers.compression.lowrank import low_rank_nbytes
+from trainers.compression.quantize import quantized_nbytes
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches
-from trainers.dilocox import DiLoCoX, DiLoCoXConfig, adapted_schedule
+from trainers.methods.dilocox import DiLoCoX, DiLoCoXConfig, adapted_schedule
+from trainers.methods.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.models import DecoderLM, get_model_config
-from trainers.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.registry import build_method, method_config
 
 WORLD = 2
@@ -38,22 +39,22 @@ WORLD = 2
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"local_steps": 0}, "--local-steps must be at least 1, got 0"),
-        ({"outer_lr": 0.0}, "--outer-lr"),
-        ({"outer_momentum": 1.0}, "--outer-momentum"),
-        ({"rank": 0}, "--rank must be at least 1, got 0"),
-        ({"bits": 3}, "--bits must be one of 2, 4, 8; got 3"),
-        ({"bucket_size": 0}, "--bucket-size"),
-        ({"power_iterations": 0}, "--power-iterations must be at least 1, got 0"),
-        ({"rank_window": 0}, "--rank-window"),
-        ({"energy": 0.0}, "--energy"),
-        ({"energy": 1.5}, "--energy"),
-        ({"min_rank": 0}, "--min-rank"),
-        ({"rank": 8, "min_rank": 9}, "--min-rank"),
-        ({"local_steps": 10, "max_local_steps": 9}, "--max-local-steps"),
+        ({"local_steps": 0}, "local_steps must be at least 1, got 0"),
+        ({"outer_lr": 0.0}, "outer_lr"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"rank": 0}, "rank must be at least 1, got 0"),
+        ({"bits": 3}, "bits must be one of 2, 4, 8; got 3"),
+        ({"bucket_size": 0}, "bucket_size"),
+        ({"power_iterations": 0}, "power_iterations must be at least 1, got 0"),
+        ({"rank_window": 0}, "rank_window"),
+        ({"energy": 0.0}, "energy"),
+        ({"energy": 1.5}, "energy"),
+        ({"min_rank": 0}, "min_rank"),
+        ({"rank": 8, "min_rank": 9}, "min_rank"),
+        ({"local_steps": 10, "max_local_steps": 9}, "max_local_steps"),
     ],
 )
-def test_bad_config_names_the_flag(options, message):
+def test_bad_config_names_the_setting(options, message):
     with pytest.raises(ValueError, match=message):
         DiLoCoXConfig(**options)
     with pytest.raises(ValueError, match=message):

@@ -14,12 +14,12 @@ import torch
 import torch.distributed as dist
 
 from tests.trainers.spawn import run_ranks
-from trainers.cocktail import Cocktail, CocktailConfig
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
-from trainers.compression import SparseQuantizeCompressor
+from trainers.compression.compressors import SparseQuantizeCompressor
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches, validation_batches
 from trainers.method import MethodContext
+from trainers.methods.cocktail import Cocktail, CocktailConfig
 from trainers.models import DecoderLM, get_model_config
 from trainers.registry import build_method, method_config
 
@@ -52,19 +52,19 @@ def _global(method: Cocktail, params) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("options", "flag"),
+    ("options", "setting"),
     [
-        ({"random_keep": 0.0}, "--random-keep"),
-        ({"random_keep": 1.5}, "--random-keep"),
-        ({"topk_keep": 0.0}, "--topk-keep"),
-        ({"topk_keep": 1.01}, "--topk-keep"),
-        ({"bits": 3}, "--bits"),
-        ({"bucket_size": 0}, "--bucket-size"),
-        ({"warmup_steps": -1}, "--warmup-steps"),
+        ({"random_keep": 0.0}, "random_keep"),
+        ({"random_keep": 1.5}, "random_keep"),
+        ({"topk_keep": 0.0}, "topk_keep"),
+        ({"topk_keep": 1.01}, "topk_keep"),
+        ({"bits": 3}, "bits"),
+        ({"bucket_size": 0}, "bucket_size"),
+        ({"warmup_steps": -1}, "warmup_steps"),
     ],
 )
-def test_bad_config_names_the_flag(options, flag):
-    with pytest.raises(ValueError, match=flag):
+def test_bad_config_names_the_setting(options, setting):
+    with pytest.raises(ValueError, match=setting):
         CocktailConfig(**options)
 
 

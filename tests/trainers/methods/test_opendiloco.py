@@ -18,8 +18,8 @@ from tests.trainers.toy import TOY_OPTIM, clones, method_context, toy_backward, 
 from trainers.comm import allreduce_payload_bytes
 from trainers.config import OptimConfig
 from trainers.data import load_corpus, replica_batches, validation_batches
+from trainers.methods.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.models import DecoderLM, get_model_config
-from trainers.opendiloco import OpenDiLoCo, OpenDiLoCoConfig
 from trainers.optim import clip_grad_norm, inner_optimizer
 from trainers.registry import build_method, method_config
 
@@ -36,18 +36,18 @@ def _spawn(scenario, args: tuple, out_dir: Path) -> list:
 
 
 @pytest.mark.parametrize(
-    ("options", "flag"),
+    ("options", "setting"),
     [
-        ({"local_steps": 0}, "--local-steps"),
-        ({"outer_lr": 0.0}, "--outer-lr"),
-        ({"outer_lr": -0.7}, "--outer-lr"),
-        ({"outer_momentum": 1.0}, "--outer-momentum"),
-        ({"outer_momentum": -0.1}, "--outer-momentum"),
-        ({"pseudo_grad_dtype": "int8"}, "--pseudo-grad-dtype"),
+        ({"local_steps": 0}, "local_steps"),
+        ({"outer_lr": 0.0}, "outer_lr"),
+        ({"outer_lr": -0.7}, "outer_lr"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"outer_momentum": -0.1}, "outer_momentum"),
+        ({"pseudo_grad_dtype": "int8"}, "pseudo_grad_dtype"),
     ],
 )
-def test_bad_config_names_the_flag(options, flag):
-    with pytest.raises(ValueError, match=flag):
+def test_bad_config_names_the_setting(options, setting):
+    with pytest.raises(ValueError, match=setting):
         OpenDiLoCoConfig(**options)
 
 

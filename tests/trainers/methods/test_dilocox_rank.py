@@ -12,10 +12,11 @@ import torch.distributed as dist
 
 from tests.trainers.spawn import run_ranks
 from trainers.comm import allreduce_payload_bytes
-from trainers.compression import LowRankQuantizeCompressor, low_rank
+from trainers.compression.compressors import LowRankQuantizeCompressor
+from trainers.compression.lowrank import low_rank
 from trainers.config import OptimConfig
-from trainers.dilocox import DiLoCoX, DiLoCoXConfig, adapted_schedule
 from trainers.method import MethodContext
+from trainers.methods.dilocox import DiLoCoX, DiLoCoXConfig, adapted_schedule
 
 OPTIM = OptimConfig(lr=1e-2, warmup_fraction=0.0, min_lr_ratio=1.0)
 M, N = 48, 64  # the synthetic weight matrix

@@ -7,18 +7,19 @@ sign). Every step t, on every replica i, for every tensor of this rank's pipelin
 
     g_i = clip(grad)                                   the whole replica's clip at OptimConfig.grad_clip 1.0 (the
                                                        reference runs' max_grad_norm 1.0)
-    m_i = beta m_i + eta_t g_i                         beta = --compression-decay (0.999); eta_t below
-    X_i = DCT(m_i)                                     chunked orthonormal DCT-II, (blocks, h*w) (trainers/dct.py)
-    q_i = top-k of X_i by magnitude in every block     k = --compression-topk (32), at most h*w
+    m_i = beta m_i + eta_t g_i                         beta = compression_decay (0.999); eta_t below
+    X_i = DCT(m_i)                                     chunked orthonormal DCT-II, (blocks, h*w)
+                                                       (trainers/compression/dct.py)
+    q_i = top-k of X_i by magnitude in every block     k = compression_topk (32), at most h*w
     m_i = m_i - IDCT(q_i)                              the momentum keeps exactly what was not sent
     all-gather the q_j (values and their indices)
     Q[b, c] = mean of q_j[b, c] over the replicas j that sent coefficient c of block b (0 where none did)
-    theta = (1 - eta_t lambda) theta - eta_t sign(IDCT(Q))      lambda = --demo-weight-decay (0)
+    theta = (1 - eta_t lambda) theta - eta_t sign(IDCT(Q))      lambda = demo_weight_decay (0)
 
-eta_t = --demo-lr (4e-4, the reference's OLMo-300M and 1B DeMo configs) times the shared schedule of
+eta_t = demo_lr (4e-4, the reference's OLMo-300M and 1B DeMo configs) times the shared schedule of
 trainers/optim.py: linear warm-up, then cosine to OptimConfig.min_lr_ratio (0.1) of the peak, as the reference runs'
 cosine_with_warmup with alpha_f 0.1. `--lr` is the AdamW peak every other method uses; DeMo steps no AdamW, so it
-reads --demo-lr instead (the two defaults are both the reference's 4e-4).
+reads demo_lr instead (the two defaults are both the reference's 4e-4).
 
 Where the paper (Algorithm 1 of v1; its text was not at hand here, so the paper's side is as we recall it) and the
 reference code differ, this follows the code:
@@ -30,9 +31,9 @@ reference code differ, this follows the code:
 - weight decay is decoupled, theta *= 1 - eta_t lambda before the step, on every tensor (1-D ones too), 0 by
   default as in the reference's DeMo configs.
 
-Chunking follows the reference (trainers/dct.py): a dimension of length n is cut into blocks of its largest
-divisor <= --compression-chunk (64), so nothing is padded (130 -> 26; a prime above 64 -> 1); 2-D tensors are
-chunked in both dimensions (h x w blocks, up to 64 x 64 = 4096 coefficients, of which k are sent), 1-D ones along
+Chunking follows the reference (trainers/compression/dct.py): a dimension of length n is cut into blocks of its
+largest divisor <= compression_chunk (64), so nothing is padded (130 -> 26; a prime above 64 -> 1); 2-D tensors
+are chunked in both dimensions (h x w blocks, up to 64 x 64 = 4096 coefficients, of which k are sent), 1-D ones along
 their one dimension (w coefficients). Beyond the reference: 0-d tensors are read as (1, 1), tensors of more than two
 dimensions as (shape[0], the rest).
 
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainers.comm import all_gather_bytes
-from trainers.dct import ChunkedDCT
+from trainers.compression.dct import ChunkedDCT
 from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncPlan, SyncReport, tensor_bytes
 from trainers.optim import clip_grad_norm
 
@@ -81,42 +82,58 @@ class DeMoConfig(MethodConfig):
         default=0.999, metadata={"help": "DeMo's momentum decay beta, in [0, 1): m = beta m + lr g."}
     )
     compression_topk: int = field(
-        default=32, metadata={"help": "DeMo: DCT coefficients sent per chunk (a 2-D tensor's chunk is h x w)."}
+        default=32,
+        metadata={
+            "help": "k: DCT coefficients of the momentum sent per chunk, the largest by magnitude (a 2-D tensor's "
+            "chunk is h x w; at most the chunk's size is sent); an integer of at least 1."
+        },
     )
     compression_chunk: int = field(
-        default=64, metadata={"help": "DeMo: target chunk side; each dimension uses its largest divisor not above it."}
+        default=64,
+        metadata={
+            "help": "Target chunk side, in elements: each dimension is cut at its largest divisor not above it; an "
+            "integer of at least 1."
+        },
     )
     demo_lr: float = field(
-        default=4e-4, metadata={"help": "DeMo's peak sign-step learning rate (it steps no AdamW, so --lr is unused)."}
+        default=4e-4,
+        metadata={
+            "help": "Peak learning rate of DeMo's sign step, on the run's warm-up and cosine schedule (DeMo steps no "
+            "AdamW, so --lr is unused); a positive finite number."
+        },
     )
     demo_weight_decay: float = field(
-        default=0.0, metadata={"help": "DeMo's decoupled weight decay: theta *= 1 - lr * wd every step."}
+        default=0.0,
+        metadata={
+            "help": "Decoupled weight decay: theta *= 1 - lr * demo_weight_decay every step; at least 0, and times "
+            "demo_lr below 1."
+        },
     )
 
     def __post_init__(self) -> None:
         if not (_real(self.compression_decay) and 0 <= self.compression_decay < 1):
-            raise ValueError(f"--compression-decay must be in [0, 1), got {self.compression_decay}")
-        for flag, value in (
-            ("--compression-topk", self.compression_topk),
-            ("--compression-chunk", self.compression_chunk),
+            raise ValueError(f"compression_decay must be in [0, 1), got {self.compression_decay}")
+        for name, value in (
+            ("compression_topk", self.compression_topk),
+            ("compression_chunk", self.compression_chunk),
         ):
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-                raise ValueError(f"{flag} must be an integer of at least 1, got {value}")
+                raise ValueError(f"{name} must be an integer of at least 1, got {value}")
         if not (_real(self.demo_lr) and 0 < self.demo_lr < math.inf):
-            raise ValueError(f"--demo-lr must be a positive finite number, got {self.demo_lr}")
+            raise ValueError(f"demo_lr must be a positive finite number, got {self.demo_lr}")
         if not (_real(self.demo_weight_decay) and 0 <= self.demo_weight_decay < math.inf):
-            raise ValueError(f"--demo-weight-decay must be a finite number of at least 0, got {self.demo_weight_decay}")
+            raise ValueError(f"demo_weight_decay must be a finite number of at least 0, got {self.demo_weight_decay}")
         # The schedule never exceeds the peak, so this keeps 1 - lr * wd positive: decay shrinks, never flips.
         if self.demo_lr * self.demo_weight_decay >= 1:
             raise ValueError(
-                f"--demo-weight-decay times --demo-lr must be below 1, got {self.demo_weight_decay} x {self.demo_lr}"
+                f"demo_weight_decay times demo_lr must be below 1, got {self.demo_weight_decay} x {self.demo_lr}"
             )
 
     def transform(self, shape: Sequence[int]) -> ChunkedDCT:
         return ChunkedDCT(shape, self.compression_chunk)
 
     def kept(self, transform: ChunkedDCT) -> int:
-        """k', the coefficients sent per block: --compression-topk, at most the block's size (the reference clamps)."""
+        """k', the coefficients sent per block: compression_topk, at most the block's size (the reference clamps)."""
         return min(self.compression_topk, transform.block_size)
 
     def payload_nbytes(self, shape: Sequence[int]) -> int:
@@ -148,7 +165,7 @@ class DeMo(Method):
         self.next_step = 0
 
     def lr_at(self, step: int) -> float:
-        """eta_t: --demo-lr on the run's schedule."""
+        """eta_t: demo_lr on the run's schedule."""
         return self.cfg.demo_lr * self.schedule(step)
 
     @property

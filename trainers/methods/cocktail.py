@@ -25,7 +25,7 @@ its lead over g only what it transmitted, D(P_i). So after step 1, x_i - g = e_i
 step added), where e_i = delta_i - D(P_i) is exactly error feedback's residual from step t-1, and step 2
 compresses delta_i = e_i + progress: the compensated input of error feedback, with no separate buffer to
 count it twice. Replicas differ from g (and from each other) by what compression has held back so far, and
-gradients are taken on a model that keeps all of its own progress. With --no-error-feedback the whole
+gradients are taken on a model that keeps all of its own progress. With error_feedback=false the whole
 delta_i is taken off instead (x_i = x_i + u - delta_i) and what compression dropped is lost. With every
 compression off both are plain averaging of deltas one step late: g after step t+1 = mean_j x_j after step t.
 
@@ -34,7 +34,7 @@ compressed shards, compresses that average again with its own residual, and broa
 gathers every payload, so every rank computes the same average U and runs the server's compression itself;
 the residual s is identical on every rank, and g moves by exactly what the server would have broadcast. With
 an all-gather the second compression saves no bytes (nothing more is sent) and only delays part of U; it is
-kept, as --server-compression (default on), to reproduce CocktailSGD's update; --no-server-compression
+kept, as server_compression (default on), to reproduce CocktailSGD's update; server_compression=false
 applies U itself. Wire bytes: an all-gather sends (n-1) payloads per rank, CocktailSGD's all-to-all plus
 all-gather of the compressed average about 2(n-1)/n: the same for two clusters.
 """
@@ -42,18 +42,14 @@ all-gather of the compressed average about 2(n-1)/n: the same for two clusters.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from trainers.comm import InFlight, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
-from trainers.compression import (
-    ErrorFeedback,
-    SparseQuantizeCompressor,
-    mean_of_payloads,
-    relative_error,
-    validate_quantization_flags,
-)
+from trainers.compression.compressors import SparseQuantizeCompressor, mean_of_payloads
+from trainers.compression.error_feedback import ErrorFeedback, relative_error
+from trainers.compression.quantize import validate_quantization_flags
 from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncPlan, SyncReport, numel, tensor_bytes
 
 
@@ -61,21 +57,59 @@ from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncP
 class CocktailConfig(MethodConfig):
     """CocktailSGD's published settings (0.1 x 0.2 x 4 bits)."""
 
-    random_keep: float = 0.1
-    topk_keep: float = 0.2
-    bits: int | None = 4
-    bucket_size: int = 128
-    warmup_steps: int = 10
-    error_feedback: bool = True
-    server_compression: bool = True
+    random_keep: float = field(
+        default=0.1,
+        metadata={
+            "help": "Fraction of each tensor's coordinates in the step's random mask, which every rank derives from "
+            "the step and the seed (no positions sent), in (0, 1]; 1 turns the mask off."
+        },
+    )
+    topk_keep: float = field(
+        default=0.2,
+        metadata={
+            "help": "Fraction of the masked coordinates sent: their top-k by magnitude, positions sent with them, in "
+            "(0, 1]; 1 turns top-k off."
+        },
+    )
+    bits: int | None = field(
+        default=4,
+        metadata={"help": "Bits per sent value, quantized in buckets: 2, 4 or 8; bits=none sends fp32 values."},
+    )
+    bucket_size: int = field(
+        default=128,
+        metadata={"help": "Values per quantization bucket, each bucket with its own fp16 scale; at least 1."},
+    )
+    warmup_steps: int = field(
+        default=10,
+        metadata={
+            "help": "How many steps at the start average the whole model exactly (each a blocking fp32 all-reduce) "
+            "before compressed deltas take over; at least 0."
+        },
+    )
+    error_feedback: bool = field(
+        default=True,
+        metadata={
+            "help": "Error feedback: a replica gives up only what it transmitted of its lead over the global model, so "
+            "what compression held back is sent in later steps (the aggregating side keeps its own residual too); "
+            "error_feedback=false gives up the whole delta, losing what compression dropped."
+        },
+    )
+    server_compression: bool = field(
+        default=True,
+        metadata={
+            "help": "Compress the average of the deltas again, as CocktailSGD's aggregating side does, to reproduce "
+            "its update (no bytes saved here: every rank gathers every payload); server_compression=false "
+            "applies the average itself."
+        },
+    )
 
     def __post_init__(self) -> None:
-        for flag, ratio in (("--random-keep", self.random_keep), ("--topk-keep", self.topk_keep)):
+        for name, ratio in (("random_keep", self.random_keep), ("topk_keep", self.topk_keep)):
             if not 0 < ratio <= 1:
-                raise ValueError(f"{flag} must be in (0, 1], got {ratio}")
+                raise ValueError(f"{name} must be in (0, 1], got {ratio}")
         validate_quantization_flags(self.bits, self.bucket_size, allow_fp32=True)
         if self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be at least 0, got {self.warmup_steps}")
+            raise ValueError(f"warmup_steps must be at least 0, got {self.warmup_steps}")
 
     def compressor(self, seed: int = 0) -> SparseQuantizeCompressor:
         """C_t; `seed` keys the random mask (a payload's size does not depend on it)."""
