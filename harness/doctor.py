@@ -31,7 +31,7 @@ def _docker_engine() -> tuple[bool, str, bool]:
         client = docker.from_env(timeout=3)
         info = client.info()
     except Exception as err:  # the SDK raises several unrelated types when no engine answers
-        return False, f"no engine answers ({type(err).__name__})", False
+        return False, f"engine unreachable ({type(err).__name__})", False
     runtimes = info.get("Runtimes", {})
     return True, f"engine {info.get('ServerVersion', '?')}", "nvidia" in runtimes
 
@@ -146,7 +146,7 @@ def _devices() -> list[Check]:
         Check(
             "GPUs",
             bool(gpus),
-            ", ".join(gpus) or "none visible to torch",
+            ", ".join(gpus) or "torch sees none",
             "workers use NCCL on CUDA" if gpus else "workers use gloo on CPU",
         ),
     ]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from harness.analysis.comparison import Spread, spread
+from harness.analysis.report.aggregates import Spread, spread
 from harness.run.folder import find_run_dirs, read_config, read_summary
 
 COMPARED = ("exchange", "reduce_wire", "rank", "local_steps", "adaptive", "power_iterations")

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness.analysis.bands import load_baseline, sweep_command  # noqa: E402
-from harness.analysis.reference_code import CODE_PATHS, FOLDER  # noqa: E402
+from harness.analysis.experiments.reference_code import CODE_PATHS  # noqa: E402
+from harness.analysis.gate.bands import REFERENCE_CODE_FOLDER, load_baseline, sweep_command  # noqa: E402
 
 # Sleeps 15% of the step's own time since the previous call (the sleeps themselves left out, so the slowdown does
 # not compound): the step of the method, 15% slower on any machine.
@@ -180,9 +180,9 @@ def inject(injection: Injection, baseline: Path, clean: Path, out: Path) -> tupl
         if not run.name.startswith(".") and not run.name.startswith(f"{injection.method}-"):
             shutil.copytree(run, held / "clean" / run.name)
     shutil.copytree(work / "runs" / "runs", held / "injected")
-    # The reference code's runs of the clean check (harness/analysis/reference_code.py): the injected runs' step
-    # overhead is held to what the known code measured on this machine, as in the clean check.
-    reference = clean / FOLDER
+    # The reference code's runs of the clean check (harness/analysis/experiments/reference_code.py): the injected
+    # runs' step overhead is held to what the known code measured on this machine, as in the clean check.
+    reference = clean / REFERENCE_CODE_FOLDER
     paired = ("--reference-results", str(reference)) if (reference / "sweep.json").is_file() else ()
     status, output = harness("check", "--baseline", str(baseline), "--results", str(held), *paired)
     failed = failed_bands(output)

@@ -17,7 +17,7 @@ import sys
 from itertools import accumulate
 from pathlib import Path
 
-from harness.analysis.comparison import Spread, spread
+from harness.analysis.report.aggregates import Spread, spread
 from harness.run.folder import find_run_dirs, read_config, read_events, read_summary
 
 

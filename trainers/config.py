@@ -75,7 +75,7 @@ class TrainConfig:
     # shard, all replicas at the same steps (trainers/data.py, replica_batches); 0 = off. Validation does not shift.
     data_shift: int = 0
     # torch threads per rank; 0 = the machine's cores over its ranks (more only adds contention). The CI gate sets
-    # 1, so that a step's parts are timed alike on a machine with more cores (harness/analysis/gate.py).
+    # 1, so that a step's parts are timed alike on a machine with more cores (harness/analysis/gate/check.py).
     threads_per_rank: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
 

@@ -12,8 +12,8 @@ import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -90,6 +90,56 @@ class MethodConfig:
         """How the method uses the slow link when a replica's parameters have these shapes (the whole model: a
         pipeline stage sends its own share of it); None: it sends nothing across clusters."""
         return None
+
+
+@dataclass(frozen=True)
+class RoundConfig(MethodConfig):
+    """The settings of a DiLoCo-family round, each documented here once: `local_steps` inner steps alone, then a
+    synchronization; what BlockingRounds reads. The default H is DiLoCo's; a method with another published value
+    declares it with `default_of`, keeping the doc."""
+
+    local_steps: int = field(
+        default=500,
+        metadata={
+            "help": "H: inner AdamW steps each replica trains alone between two outer steps (steps per round); the "
+            "first round's, H_1, where adaptation lengthens later rounds (up to max_local_steps)."
+        },
+    )
+    final_sync: bool = field(
+        default=True,
+        metadata={
+            "help": "Synchronize the steps of an unfinished last round at the end of the run (blocking), so every "
+            "trained token is in the final model; final_sync=false drops them, as DiLoCo does (they then do not "
+            "count as applied tokens)."
+        },
+    )
+
+    def max_syncs(self, steps: int) -> int:
+        """The most outer steps a run of `steps` steps takes: rounds are never shorter than local_steps."""
+        return -(-steps // self.local_steps) if self.final_sync else steps // self.local_steps
+
+
+@dataclass(frozen=True)
+class NesterovRoundConfig(RoundConfig):
+    """A round that ends in DiLoCo's outer step, Nesterov SGD on theta fed the replicas' mean pseudo-gradient
+    (trainers/optim.py, OuterOptimizer), at DiLoCo's lr 0.7 and momentum 0.9."""
+
+    outer_lr: float = field(
+        default=0.7,
+        metadata={
+            "help": "eta: learning rate of the outer Nesterov SGD step on theta, the global weights, fed the "
+            "replicas' averaged pseudo-gradient; above 0."
+        },
+    )
+    outer_momentum: float = field(
+        default=0.9, metadata={"help": "mu: Nesterov momentum of the outer SGD step, in [0, 1)."}
+    )
+
+
+def default_of(config: type, name: str, default: Any) -> Any:
+    """Field `name` of `config` with another default and the same doc: a method's own value of a shared setting."""
+    (shared,) = [f for f in fields(config) if f.name == name]
+    return field(default=default, metadata=shared.metadata)
 
 
 @dataclass
@@ -215,13 +265,14 @@ class Method(ABC):
 
 
 class BlockingRounds(Method):
-    """A DiLoCo-style method whose rounds block: `local_steps` inner steps (its config's field), then
+    """A DiLoCo-style method whose rounds block: `local_steps` inner steps (its RoundConfig's), then
     `outer_step()`, which synchronizes across clusters and returns its report. With `final_sync` the steps of an
     unfinished last round are synchronized in `finish()`, so every trained token is in the final model."""
 
     keeps_global_copy = True
+    cfg: RoundConfig
 
-    def __init__(self, ctx: MethodContext, cfg: MethodConfig):
+    def __init__(self, ctx: MethodContext, cfg: RoundConfig):
         super().__init__(ctx, cfg)
         self.steps_in_round = 0
         self.synchronized_steps = 0

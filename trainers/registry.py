@@ -110,6 +110,42 @@ def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
     return config_cls(**{key: _checked(name, key, hints[key], value) for key, value in options.items()})
 
 
+def with_later_settings(name: str, recorded: dict[str, Any]) -> dict[str, Any]:
+    """A run's recorded options with every setting added to the method after the run was made, at the value that
+    run ran with (a field's `before_it_existed` metadata): a long-lived reference run stays comparable."""
+    if name not in METHODS:
+        return recorded
+    added = {
+        spec.name: spec.metadata["before_it_existed"]
+        for spec in dataclasses.fields(method_class(name).config_class)
+        if "before_it_existed" in spec.metadata and spec.name not in recorded
+    }
+    return {**recorded, **added}
+
+
+def check_applicable(name: str, config: Any, given: dict[str, Any]) -> None:
+    """Refuses a setting given where the rest of the config makes the method ignore it (a field's
+    `applies_when` metadata: the values other settings must have): it would change nothing and still label the run."""
+    for spec in dataclasses.fields(config):
+        if given.get(spec.name) is None:
+            continue
+        for other, allowed in spec.metadata.get("applies_when", {}).items():
+            actual = getattr(config, other)
+            if actual not in allowed:
+                wanted = " or ".join(f"{other}={format_setting(value)}" for value in allowed)
+                raise ValueError(
+                    f"{name}'s setting {spec.name} applies only with {wanted}, and this run has "
+                    f"{other}={format_setting(actual)}; leave {spec.name} out or set {wanted}"
+                )
+
+
+def format_setting(value: Any) -> str:
+    """A value as --set takes it: true/false, none."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "none" if value is None else str(value)
+
+
 def _checked(method: str, key: str, kind: Any, value: Any) -> Any:
     """`value` as field `key` of type `kind` holds it, or a ValueError naming the setting and what it takes."""
     optional = _optional(kind)

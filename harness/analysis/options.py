@@ -2,7 +2,9 @@
 
 A run records every option its method ran with, defaults included (summary.json's `method_options`, from
 trainers.registry.recorded_options), next to the options it was given (`method_options_given`). Two runs are the
-same variant iff those resolved options are equal, so runs made before and after a default changed stay apart. A
+same variant iff those resolved options are equal, so runs made before and after a default changed stay apart; a
+setting added to a method later reads, in a run made before it, as the value that run ran with (the field's
+`before_it_existed`, e.g. dilocox's exchange=gather), so long-lived reference runs stay comparable. A
 variant's label names only what differs from the method's defaults in this checkout (`dilocox (rank=32)`; the
 default variant is just `dilocox`).
 
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.run.folder import RunPaths, UnreadableResults, read_environment
-from trainers.registry import METHODS, options_shown, resolved_options
+from trainers.registry import METHODS, options_shown, resolved_options, with_later_settings
 
 AS_GIVEN = "[options as given]"
 
@@ -63,7 +65,7 @@ def run_options(summary: Mapping[str, Any], config: Mapping[str, Any] | None = N
     options, given = dict(source.get("method_options") or {}), source.get("method_options_given")
     method = summary["method"]
     if given is not None:
-        return RunOptions(method, options, dict(given), recorded=True)
+        return RunOptions(method, with_later_settings(method, options), dict(given), recorded=True)
     try:
         resolved = resolved_options(method, options) if method in METHODS else None
     except (ValueError, TypeError):

@@ -51,9 +51,10 @@ def report(results, target_loss, csv_path, parquet_path, tables, tensorboard):
     validation loss, and tokens and time to the target loss. Where sites differ in rate or there are more than two,
     a per-site table follows: each site's wire bytes and the time its replica waited on the link.
     """
-    from harness.analysis.comparison import comparison, site_comparison
-    from harness.analysis.report import markdown, write_csv, write_parquet, write_tables
-    from harness.analysis.tables import load_runs
+    from harness.analysis.report.aggregates import comparison, site_comparison
+    from harness.analysis.report.files import write_csv, write_parquet, write_tables
+    from harness.analysis.report.results import report_markdown
+    from harness.analysis.report.tables import load_runs
 
     if tensorboard:
         from harness.run.tensorboard import check_log_dir
@@ -76,7 +77,7 @@ def report(results, target_loss, csv_path, parquet_path, tables, tensorboard):
         readable = set(loaded.runs["path"])
         runs = [(run_dir, label) for run_dir, label in find_run_dirs(list(results)) if label in readable]
         written.append(write_runs(runs, tensorboard))
-    click.echo(markdown(compared, loaded.runs, site_comparison(loaded)))
+    click.echo(report_markdown(compared, loaded.runs, site_comparison(loaded)))
     for path in written:
         print_text(f"wrote {path}")
     _exit_if_skipped(loaded)
@@ -84,7 +85,7 @@ def report(results, target_loss, csv_path, parquet_path, tables, tensorboard):
 
 def _exit_if_skipped(loaded) -> None:
     """A report over the readable runs stands, but an unreadable one must not pass unnoticed in a script: exit 1."""
-    from harness.analysis.tables import skipped_note
+    from harness.analysis.report.tables import skipped_note
 
     if loaded.skipped:
         errors.print(skipped_note(loaded.skipped), markup=False, highlight=False, soft_wrap=True)
@@ -136,13 +137,13 @@ def project(
 ):  # fmt: skip
     """Predict tokens/s and wire bytes per token from measured compute, a link model and the method's schedule.
 
-    The model (harness/analysis/project.py): a step takes its compute plus the part of each exchange that the compute
-    beside it does not hide; an exchange's time is its bytes over min(efficiency x the slowest site's rate, TCP
-    window / RTT) plus a round trip per hand-over (gloo's all-reduce hands over two 1 MiB segments at a time).
-    Compute comes from --compute-from (this machine, scaled by FLOPs), --compute-s, or a target accelerator
+    The model (harness/analysis/projection/link_model.py): a step takes its compute plus the part of each exchange
+    that the compute beside it does not hide; an exchange's time is its bytes over min(efficiency x the slowest site's
+    rate, TCP window / RTT) plus a round trip per hand-over (gloo's all-reduce hands over two 1 MiB segments at a
+    time). Compute comes from --compute-from (this machine, scaled by FLOPs), --compute-s, or a target accelerator
     (--accelerator-tflops, --accelerators-per-site, --mfu).
     """
-    from harness.analysis import project as project_model
+    from harness.analysis.projection import project as project_model
     from harness.run.settings import parse_assignments, run_settings
 
     if validate_results:
@@ -170,8 +171,8 @@ def project(
 
 def _print_validation(rows: list[dict], csv_path: Path | None, json_path: Path | None) -> None:
     """`project --validate`: predicted vs measured per model, profile and method, and the largest error."""
-    from harness.analysis import project as project_model
-    from harness.analysis.report import markdown_table
+    from harness.analysis.projection import project as project_model
+    from harness.analysis.report.markdown import markdown_table
 
     # The options that tell the rows apart (an exchange, a rank), as KEY=VALUE.
     options = [json.loads(r["options"]) for r in rows]
@@ -198,7 +199,7 @@ def _print_validation(rows: list[dict], csv_path: Path | None, json_path: Path |
     if csv_path:
         import pandas as pd
 
-        from harness.analysis.report import write_csv
+        from harness.analysis.report.files import write_csv
 
         print_text(f"wrote {write_csv(pd.DataFrame(rows), csv_path)}")
     if json_path:
@@ -214,8 +215,8 @@ def plot(results, out):
 
     For a run that replayed a profile's trace, its achieved rate against the trace's over time.
     """
-    from harness.analysis.plots import plot_all
-    from harness.analysis.tables import load_runs
+    from harness.analysis.report.figures import plot_all
+    from harness.analysis.report.tables import load_runs
 
     loaded = load_runs(list(results))
     written = plot_all(loaded, out or results[0] / "figures")
@@ -262,7 +263,9 @@ def check(baseline, results, repeats, out, reference_results, stored_references)
     """
     import tempfile
 
-    from harness.analysis import bands, gate
+    from harness.analysis.experiments.check_runs import run_needed
+    from harness.analysis.gate import bands
+    from harness.analysis.gate import check as gate
 
     spec = bands.load_baseline(baseline)
     if reference_results is not None and results is None:
@@ -276,7 +279,7 @@ def check(baseline, results, repeats, out, reference_results, stored_references)
         print_text(f"running what {baseline} needs ({count} run(s) each) into {results}{beside * bool(paired_code)}")
         display = SweepProgress()
         with display.bars:
-            gate.run_needed(spec, results, count, observer=display, reference_code=paired_code)
+            run_needed(spec, results, count, observer=display, reference_code=paired_code)
     if repeats is not None and repeats < spec.repeats:
         print_text(f"note: {repeats} run(s) each, fewer than the {spec.repeats} the bands were derived for")
     reference_dir = None if stored_references else gate.reference_dir_for(results, reference_results)
@@ -317,7 +320,7 @@ def check(baseline, results, repeats, out, reference_results, stored_references)
 def baseline(results, out, diff, reference_code):
     """Write a baseline for `harness check` from RESULTS, a folder of >= 5 repeats (a sweep with --repeats 5).
 
-    Every method gets two-sided bands (harness/analysis/gate.py's module doc): reference = the median over its
+    Every method gets two-sided bands (harness/analysis/gate/check.py's module doc): reference = the median over its
     repeats, tolerance = max(floor, 3.2 x one run's relative standard deviation). RESULTS must hold one
     configuration per method. The file's header holds the one command that regenerates it. With --diff OLD NEW:
     what changed between two baselines.
@@ -325,14 +328,14 @@ def baseline(results, out, diff, reference_code):
     if diff:
         if results is not None or out is not None or reference_code is not None:
             raise click.UsageError("--diff OLD NEW compares two files; give it without RESULTS or other options")
-        from harness.analysis.baseline_diff import diff_text
+        from harness.analysis.gate.baseline_diff import diff_text
 
         click.echo(diff_text(*diff), nl=False)
         return
     if results is None or out is None:
         raise click.UsageError("give RESULTS and --out FILE (or --diff OLD NEW)")
-    from harness.analysis.baseline import bands_table, write_baseline
-    from harness.analysis.reference_code import resolve_commit
+    from harness.analysis.experiments.reference_code import resolve_commit
+    from harness.analysis.gate.baseline import bands_table, write_baseline
 
     derived = write_baseline(results, out, resolve_commit(reference_code) if reference_code else None)
     click.echo(bands_table(derived.baseline))

@@ -14,8 +14,9 @@ from rich.text import Text
 
 from harness.units import format_rate
 
-console = Console()
-errors = Console(stderr=True)
+# Never markup, emoji codes or highlighting: what the harness prints holds paths, names and library messages.
+console = Console(markup=False, emoji=False, highlight=False)
+errors = Console(stderr=True, markup=False, emoji=False, highlight=False)
 
 
 def fail(message: str) -> typing.NoReturn:
@@ -44,11 +45,17 @@ def reexec_if_unprivileged() -> None:
         sys.exit(reexec_in_user_namespace(sys.argv[1:]))
 
 
-def csv_list(text: str, kind: type = str) -> tuple:
+def csv_list(text: str, kind: type = str, option: str = "") -> tuple:
+    """A comma-separated list; one that names an item twice is refused (a repeated seed or method would be run once,
+    and a report would count it once, while the command line says twice)."""
     try:
-        return tuple(kind(item.strip()) for item in text.split(",") if item.strip())
+        items = tuple(kind(item.strip()) for item in text.split(",") if item.strip())
     except ValueError:
         raise click.BadParameter(f"{text!r} must be a comma-separated list of {kind.__name__}s") from None
+    repeated = [item for i, item in enumerate(items) if item in items[:i]]
+    if repeated:
+        raise click.UsageError(f"{option or 'the list'} {text} names {repeated[0]} more than once; name each once")
+    return items
 
 
 def progress_bars() -> Progress:

@@ -14,9 +14,9 @@ from harness.cli.options import WithSettings, cluster_options, set_option, train
 from trainers.registry import method_names
 
 
-def _profiles(values: tuple[str, ...]) -> tuple[str, ...]:
+def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
     """Repeatable options that also take comma-separated lists."""
-    return tuple(dict.fromkeys(p for value in values for p in csv_list(value)))
+    return csv_list(",".join(values), option=option)
 
 
 @click.command("compare", cls=WithSettings)
@@ -77,24 +77,25 @@ def compare(methods, profiles, composed, seeds, assignments, method_steps, targe
     flagged as unsteady). A link given both ways also prints composed vs measured. Writes OUT/compare.md,
     OUT/compare.csv, OUT/compare.json and OUT/figures/; rerunning the command resumes it.
     """
-    from harness.analysis.compare import CompareSpec, parse_method_steps, run_compare
-    from harness.analysis.compare_report import markdown, summary_lines, write_outputs
-    from harness.analysis.sweep import SweepInterrupted, fixed_settings
+    from harness.analysis.experiments.compare import run_compare, validate_compare
+    from harness.analysis.experiments.sweep import SweepInterrupted
+    from harness.analysis.plan import CompareSpec, fixed_settings, parse_method_steps
+    from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
     from harness.run.settings import parse_assignments
 
     settings, per_method = fixed_settings(parse_assignments(assignments), "a comparison")
     spec = CompareSpec(
-        methods=csv_list(methods),
-        profiles=_profiles(profiles),
-        composed=_profiles(composed),
-        seeds=csv_list(seeds, int),
+        methods=csv_list(methods, option="--methods"),
+        profiles=_profiles(profiles, "--profile"),
+        composed=_profiles(composed, "--composed"),
+        seeds=csv_list(seeds, int, "--seeds"),
         settings={**{k: v for k, v in flags.items() if v is not None}, **settings},
         per_method=per_method,
         method_steps=parse_method_steps(method_steps),
         target_loss=target_loss,
     )
-    spec.validate()
-    print_warnings(spec.full_sweep().warnings())
+    validate_compare(spec)
+    print_warnings(spec.warnings())
     reexec_if_unprivileged()
     command = shlex.join(["harness", *sys.argv[1:]])
     display = SweepProgress()
@@ -107,7 +108,7 @@ def compare(methods, profiles, composed, seeds, assignments, method_steps, targe
         )
         sys.exit(130)
     written = write_outputs(result, out, command)
-    click.echo(markdown(result, command))
+    click.echo(compare_markdown(result, command))
     for line in summary_lines(result):
         print_text(line)
     print_text(

@@ -21,7 +21,7 @@ def doctor() -> None:
 
     table = Table("check", "result", "what it means")
     for check in diagnose():
-        result = Text.assemble(("yes", "green") if check.ok else ("no", "red"), " ", check.detail)
+        result = Text.assemble(("yes", "green") if check.ok else ("no", "red"), ": ", check.detail)
         table.add_row(Text(check.name), result, Text(check.meaning))
     console.print(table)
 
@@ -87,7 +87,7 @@ def bench_delayline(rate: str, rtt_ms: str, seconds: float, repeats: int, loss: 
 
     rate_bps = None if rate == "none" else parse_rate_bps(rate)
     loss_pct = parse_loss_pct(loss)
-    rtts = [float(r) for r in csv_list(rtt_ms)]
+    rtts = [float(r) for r in csv_list(rtt_ms, option="--rtt-ms")]
     reexec_if_unprivileged()
     table = Table("emulator", "rate", "RTT", "loss", "goodput (median, min-max)", "window bound")
     for row in delay_line_goodput(rate_bps, rtts, seconds, repeats, loss_pct, window_bytes):

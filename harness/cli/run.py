@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -167,7 +168,11 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
         given = {k: v for k, v in settings.items() if v is not None}
     method_settings = run_settings(method, parse_assignments(assignments))
     config = RunConfig.build(method, profile, **{**base, **given, **method_settings})
-    checked = runner.validate(config, out)
+    try:
+        checked = runner.validate(config, out)
+    except KeyboardInterrupt:  # from work validation does in a child process (harness/process.py)
+        signals.stop_if_received()
+        raise
     print_warnings(config.warnings())
     signals.stop_if_received()
     reexec_if_unprivileged()
@@ -176,7 +181,7 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
     with progress:
         summary = runner.execute(checked, on_progress=update)
     signals.ignore()
-    print_summary(summary)
+    print_summary(summary, _same_setup(ctx, given, assignments))
     sys.exit(_exit_code(summary))
 
 
@@ -284,7 +289,7 @@ def _progress_display():
     return progress, update
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: dict[str, Any], same_setup: tuple[str, ...] = ()) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     for key, value in _summary_rows(summary):
         # Text, not markup: a failure holds the worker's error, e.g. gloo's "[/path/pair.cc:339] ...".
@@ -292,15 +297,38 @@ def print_summary(summary: dict[str, Any]) -> None:
     console.print(table)
     print_text(f"results: {summary['results_dir']}")
     if summary["status"] == "ok":
-        print_text("compare: " + compare_command(summary))
+        print_text("compare: " + compare_command(summary, same_setup))
 
 
-def compare_command(summary: dict[str, Any]) -> str:
+def compare_command(summary: dict[str, Any], same_setup: tuple[str, ...] = ()) -> str:
     """The `harness compare` that measures this run's method against allreduce on its link, over three seeds (one
-    run is n=1: no spread, and no baseline to say what its figures are worth)."""
+    run is n=1: no spread, and no baseline to say what its figures are worth), with `same_setup`: the run's own
+    options that compare takes too (model, data, tokenizer, cluster shape, --set), so it compares this set-up."""
     methods = ",".join(dict.fromkeys(["allreduce", summary["method"]]))
     profile = summary["profile"]
-    return f"harness compare --profile {profile} --methods {methods} --seeds 0,1,2 --out results/compare-{profile}"
+    start = ["harness", "compare", "--profile", profile, "--methods", methods, "--seeds", "0,1,2"]
+    return shlex.join([*start, *same_setup, "--out", f"results/compare-{profile}"])
+
+
+def _same_setup(ctx: click.Context, given: dict[str, Any], assignments: tuple[str, ...]) -> tuple[str, ...]:
+    """The options of this run that `harness compare` also takes, as it takes them."""
+    from harness.cli.compare import compare
+
+    taken = {param.name: param for param in compare.params if isinstance(param, click.Option)}
+    words: list[str] = []
+    for name, value in given.items():
+        param = taken.get(name)
+        if param is None or name in ("out", "seeds") or not _on_command_line(ctx, name):
+            continue
+        if param.is_flag:
+            words += [param.opts[0]] if value else []
+        else:
+            words += [param.opts[0], str(value)]
+    return (*words, *(word for assignment in assignments for word in ("--set", assignment)))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -309,9 +337,9 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "method / profile",
             f"{summary['method']} on {summary['profile']} "
-            f"({summary['clusters']} clusters x {summary['stages']} stages, {summary['backend']})",
+            f"({_count(summary['clusters'], 'cluster')} x {_count(summary['stages'], 'stage')}, {summary['backend']})",
         ),
-        ("model", f"{summary['model']} ({summary['param_count'] / 1e6:.2f}M parameters)"),
+        ("model", f"{summary['model']} ({summary['param_count'] / 1e6:,.2f}M parameters)"),
         ("steps / tokens", f"{summary['steps']} / {summary['tokens']:,} trained, " + _applied(summary)),
         ("throughput", f"{summary['tokens_per_s']:,.0f} applied tokens/s" if summary.get("tokens_per_s") else "-"),
         ("loss", _loss_line(summary)),

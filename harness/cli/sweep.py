@@ -51,22 +51,23 @@ def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, **
     """
     import shlex
 
-    from harness.analysis.regime import regime_profile
-    from harness.analysis.sweep import SweepInterrupted, SweepSpec, run_sweep, sweep_settings
+    from harness.analysis.experiments.regime import regime_profile
+    from harness.analysis.experiments.sweep import SweepInterrupted, run_sweep, validate_sweep
+    from harness.analysis.plan import SweepSpec, sweep_settings
     from harness.run.settings import parse_assignments
 
     fixed, grid, per_method = sweep_settings(parse_assignments(assignments))
     settings = {**{k: v for k, v in flags.items() if v is not None}, **fixed}
     spec = SweepSpec(
-        methods=csv_list(methods),
-        profiles=csv_list(profiles),
-        seeds=csv_list(seeds, int),
+        methods=csv_list(methods, option="--methods"),
+        profiles=csv_list(profiles, option="--profiles"),
+        seeds=csv_list(seeds, int, "--seeds"),
         grid=grid,
         settings=settings,
         per_method=per_method,
         repeats=repeats,
     )
-    spec.validate(regime_pending=regime is not None)
+    validate_sweep(spec, regime_pending=regime is not None)
     if spec.profiles:
         print_warnings(spec.warnings())
     reexec_if_unprivileged()
@@ -106,7 +107,8 @@ def regime(target, out, **flags):
     """
     import tempfile
 
-    from harness.analysis.regime import check_request, derive_regime, write_regime_profile
+    from harness.analysis.experiments.regime import check_request, derive_regime
+    from harness.analysis.projection.regime import write_regime_profile
 
     settings = {k: v for k, v in flags.items() if v is not None}
     check_request(target, settings)
@@ -116,3 +118,5 @@ def regime(target, out, **flags):
     path = write_regime_profile(derived, out or Path("results") / "profiles" / f"{target}-{derived.model}.yaml")
     print_text(derived.describe())
     print_text(f"profile: {path} (use it with --profile {path}); measurements: {path.with_suffix('.json')}")
+    # Written all the same (its measurements say how far off it is), but the command did not reach its goal.
+    sys.exit(0 if derived.converged or not derived.probes else 1)

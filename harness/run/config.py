@@ -23,8 +23,11 @@ from harness.net.link import Profile
 from harness.net.profiles import check_shapeable, load_profile
 from harness.net.topology import Topology
 from harness.net.trace import replays_rate
+from harness.process import run_interruptibly
 from harness.run.faults import Fault, check_faults, parse_fault
+from harness.run.memory import available_bytes, check_fits
 from trainers.config import OptimConfig, TrainConfig
+from trainers.tokenizer import BYTES
 
 if TYPE_CHECKING:
     from trainers.method import MethodConfig
@@ -146,7 +149,8 @@ class RunConfig:
                     f"--seq-len {self.train.seq_len} exceeds model {model_cfg.name!r}'s "
                     f"{model_cfg.max_seq_len}; use a shorter one"
                 )
-            self.method_config.check_shapes(parameter_shapes(model_cfg))
+            shapes = parameter_shapes(model_cfg)
+            self.method_config.check_shapes(shapes)
             if self.stages > 1:
                 from trainers.pipeline import validate_pipeline
 
@@ -156,24 +160,33 @@ class RunConfig:
         # here, and only here, that becomes the user's error.
         except (ValueError, TypeError) as err:
             raise UserError(str(err)) from None
+        if capabilities(self.backend).ranks_share_host_cpus:
+            check_fits(shapes, self.clusters * self.stages, self.stages, available_bytes())
         # Built here, where a setting the method refuses is named before the host is touched; kept for its readers.
-        _ = self.method_config
+        from trainers.registry import check_applicable
+
+        try:
+            check_applicable(self.method, self.method_config, self.method_options)
+        except ValueError as err:
+            raise UserError(str(err)) from None
         check_finite_options(self.method_options)
         check_shapeable(self.profile)
         if self.mode == "train":
             # Last, as it reads the corpus (~0.1 s for the default one): every cheaper mistake is named first.
             from trainers.data import check_data
 
+            seq_len = self.train.seq_len or model_cfg.max_seq_len
+            check = functools.partial(
+                check_data,
+                self.train.data,
+                seq_len,
+                self.clusters,
+                data_shift=self.train.data_shift,
+                tokenizer=self.train.tokenizer,
+                text_field=self.train.data_field,
+            )
             try:
-                seq_len = self.train.seq_len or model_cfg.max_seq_len
-                check_data(
-                    self.train.data,
-                    seq_len,
-                    self.clusters,
-                    data_shift=self.train.data_shift,
-                    tokenizer=self.train.tokenizer,
-                    text_field=self.train.data_field,
-                )
+                check() if self.train.tokenizer == BYTES else run_interruptibly(check)
             except ValueError as err:
                 raise UserError(str(err)) from None
 
@@ -204,12 +217,19 @@ class RunConfig:
                 "shifts and each replica trains on one eighth of its shard; use a smaller --data-shift"
             )
         cfg = self.method_config
+        if self.clusters == 1 and self.method != "local":
+            given = ", ".join(f"{k}={v}" for k, v in self.method_options.items())
+            warnings.append(
+                f"with --clusters 1 there is one replica and no link between clusters: {self.method} never exchanges "
+                f"anything{f' and its settings ({given}) change nothing' if given else ''}, so it measures what local "
+                "would; use --clusters 2 or more"
+            )
         syncs = cfg.max_syncs(self.train.steps) if self.clusters > 1 else None
         if syncs is not None and syncs < MIN_SYNCS:
             warnings.append(
-                f"{self.method} synchronizes at most {syncs} time(s) in {self.train.steps} steps (--local-steps "
+                f"{self.method} synchronizes at most {syncs} time(s) in {self.train.steps} steps (local_steps="
                 f"{cfg.local_steps}): its throughput says little about communication; use more --steps or a "
-                "smaller --local-steps"
+                "smaller --set local_steps"
             )
         ranks, cores = self.clusters * self.stages, os.cpu_count() or 1
         if capabilities(self.backend).ranks_share_host_cpus and ranks > cores:

@@ -443,9 +443,26 @@ def _complete(line: str) -> bool:
     return True
 
 
+def runs_without_summary(paths: Sequence[Path]) -> list[Path]:
+    """Run folders under `paths` (with config.json, not hidden staging areas) that hold no summary.json: a run whose
+    end was lost (a killed harness, a copy cut short). Readers name them rather than leave them out unsaid."""
+    found = []
+    for root in paths:
+        if not root.is_dir():
+            continue
+        search = root / "runs" if (root / "sweep.json").is_file() else root
+        candidates = [search / "config.json", *sorted(search.rglob("config.json"))]
+        for config in dict.fromkeys(candidates):
+            relative = config.parent.relative_to(root)
+            hidden = any(part.startswith(".") for part in relative.parts)
+            if config.is_file() and not hidden and not (config.parent / SUMMARY_NAME).is_file():
+                found.append(config.parent)
+    return found
+
+
 def find_run_dirs(paths: Sequence[Path]) -> list[tuple[Path, str]]:
     """(folder, path relative to what the user named) of every finished run folder in `paths`: run folders, or
-    folders of them (a sweep's, harness/analysis/sweep.py: its own runs only) at any depth."""
+    folders of them (a sweep's, harness/analysis/experiments/sweep.py: its own runs only) at any depth."""
     found: list[tuple[Path, str]] = []
     for root in paths:
         if RunPaths(root).summary.is_file():

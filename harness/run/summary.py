@@ -74,7 +74,8 @@ def _hidden_fraction(syncs: list[dict[str, Any]]) -> float | None:
 
 
 def _regime_target_r(profile_source: str) -> float | None:
-    """R_target of a regime-matched profile: its record (harness/analysis/regime.py) lies beside it as .json."""
+    """R_target of a regime-matched profile: its record (harness/analysis/projection/regime.py) lies beside it as
+    .json."""
     record = Path(profile_source).with_suffix(".json") if profile_source else None
     try:
         return float(json.loads(record.read_text())["target_r"]) if record and record.is_file() else None

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from harness.analysis.sweep import build_config
+from harness.analysis.plan import build_config
 from harness.run.summary import summarize
 
 T0 = 1_800_000_000.0

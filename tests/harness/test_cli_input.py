@@ -152,6 +152,22 @@ CASES = [
         ["'nope'", "allreduce"],
     ),
     Case("unknown-model", ["run", "--model", "nope"], ["unknown model 'nope'", "tiny"]),
+    # A repeated item was once run once and counted once, while the command line named it twice.
+    Case(
+        "sweep-seed-twice",
+        ["sweep", "--methods", "allreduce", "--seeds", "0,0", "--out", "s"],
+        ["--seeds 0,0 names 0 more than once; name each once"],
+    ),
+    Case(
+        "compare-method-twice",
+        ["compare", "--methods", "allreduce,local,local", "--profile", "1gbps", "--out", "c"],
+        ["--methods allreduce,local,local names local more than once"],
+    ),
+    Case(
+        "compare-profile-twice",
+        ["compare", "--methods", "allreduce,local", "--profile", "1gbps", "--profile", "1gbps", "--out", "c"],
+        ["--profile 1gbps,1gbps names 1gbps more than once"],
+    ),
     Case("clusters-0", ["run", "--clusters", "0"], ["--clusters must be at least 1, got 0"]),
     Case("clusters-negative", ["run", "--clusters", "-1"], ["--clusters must be at least 1"]),
     Case("stages-0", ["run", "--stages", "0"], ["--stages must be at least 1, got 0"]),
@@ -492,8 +508,23 @@ def test_the_summary_ends_with_the_command_that_compares_the_method(harness_cli,
     monkeypatch.setattr(userns, "needs_reexec", lambda: False)
     summary = {**SUMMARY, "method": "dilocox", "link_max_excess": 0.98, "link_conforms": True}
     monkeypatch.setattr(runner, "execute", lambda checked, on_progress=None: summary)
-    result, _, _ = harness_cli(["run", "--method", "dilocox", "--steps", "3"])
+    result, _, _ = harness_cli(["run", "--method", "dilocox"])
     assert result.exit_code == 0, result.output
     assert result.output.strip().splitlines()[-1] == (
         "compare: harness compare --profile 1gbps --methods allreduce,dilocox --seeds 0,1,2 --out results/compare-1gbps"
+    )
+
+
+def test_the_compare_it_suggests_keeps_the_runs_set_up(harness_cli, monkeypatch):
+    """It once dropped --model, --data, --tokenizer, --stages, --clusters and the method's settings: it suggested
+    comparing another set-up. A run-only option (--seed, --out) stays out."""
+    monkeypatch.setattr(userns, "needs_reexec", lambda: False)
+    summary = {**SUMMARY, "method": "dilocox", "link_max_excess": 0.98, "link_conforms": True}
+    monkeypatch.setattr(runner, "execute", lambda checked, on_progress=None: summary)
+    args = ["--steps", "40", "--clusters", "4", "--seed", "3", "--set", "exchange=reduce", "--out", "elsewhere"]
+    result, _, _ = harness_cli(["run", "--method", "dilocox", *args])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1] == (
+        "compare: harness compare --profile 1gbps --methods allreduce,dilocox --seeds 0,1,2 --steps 40 --clusters 4 "
+        "--set exchange=reduce --out results/compare-1gbps"
     )

@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 TOP_LEVEL_MODULES_MAX = 10
 MODULE_LINES_MAX = 600
 FUNCTION_LINES_MAX = 80
+ANALYSIS = "harness.analysis"
+EXPERIMENTS = "harness.analysis.experiments"  # the one part of analysis that starts runs
+RUNNER = "harness.run.runner"
 
 
 def _module_name(path: Path) -> str:
@@ -28,14 +31,18 @@ def _sources(*packages: str) -> dict[str, Path]:
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The modules of `modules` that `path` imports, wherever in the file the import stands."""
+    """The modules of `modules` that `path` imports, wherever in the file the import stands (relative imports
+    resolved against its package)."""
+    package = path.relative_to(REPO).parent.parts
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else ()
+            module = ".".join([*base, *([node.module] if node.module else [])])
             # `from harness.run import runner` imports the module harness.run.runner, not only the package.
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
         else:
             continue
         found |= {name for name in names if name in modules}
@@ -95,6 +102,22 @@ def test_trainers_import_nothing_of_harness():
         name: sorted(_imports(path, harness_modules)) for name, path in sources.items() if name.startswith("trainers")
     }
     assert {name: found for name, found in offenders.items() if found} == {}
+
+
+def test_analysis_outside_experiments_starts_no_runs():
+    """ARCHITECTURE.md: analysis only reads run folders, and what starts runs is harness/analysis/experiments/ (the
+    sweep executor, compare's sweeps, regime matching's closed loop, the reference code's and the gate's runs). So no
+    module of harness/analysis/ outside it imports the runner or anything in experiments/, the sweep executor
+    included; what a run needs checked (the link emulator) is passed in by experiments/."""
+    sources = _sources("harness")
+    experiments = {name for name in sources if name == EXPERIMENTS or name.startswith(f"{EXPERIMENTS}.")}
+    starts_runs = experiments | {RUNNER}
+    readers = {name: path for name, path in sources.items() if name.startswith(ANALYSIS) and name not in experiments}
+    offenders = {name: sorted(_imports(path, starts_runs)) for name, path in readers.items()}
+    assert {name: found for name, found in offenders.items() if found} == {}
+    # The check sees what it must refuse: the executor itself imports the runner.
+    assert RUNNER in _imports(sources[f"{EXPERIMENTS}.sweep"], starts_runs)
+    assert len(readers) > 10
 
 
 def test_harness_has_few_modules_at_its_top_level():

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 import harness.cli as cli
 import harness.run.runner
-from harness.analysis.sweep import build_config, check_keys
+from harness.analysis.plan import build_config, check_keys
 from harness.run.config import RunConfig
 from harness.run.settings import parse_assignment
 from trainers.config import TrainConfig

@@ -7,7 +7,7 @@ import pytest
 
 from trainers.config import TrainConfig
 from trainers.data import check_data, load_corpus
-from trainers.tokenizer import BYTE_VOCAB, corpus_cache, declared_vocab_size, parse_tokenizer
+from trainers.tokenizer import BYTE_VOCAB, MAX_BPE_WORD_BYTES, corpus_cache, declared_vocab_size, parse_tokenizer
 
 pytest.importorskip("tokenizers")
 
@@ -89,9 +89,22 @@ def test_check_data_counts_windows_in_tokens(text):
     [
         ("bpe:abc", "bpe:N needs a vocabulary N of at least 258"),
         ("bpe:257", "at least 258"),
+        # The tokenizers library allocates for the vocabulary asked for: this one aborted the process (566 GB).
+        ("bpe:10000000000", "bpe:N takes a vocabulary of at most 1,048,576 tokens"),
         ("nope.json", "is not bytes, bpe:N or an existing tokenizer.json"),
     ],
 )
 def test_bad_tokenizers_are_refused_in_one_sentence(text, message):
     with pytest.raises(ValueError, match=message):
         parse_tokenizer(text)
+
+
+def test_a_word_too_long_to_train_on_is_refused_before_training(tmp_path):
+    """A 50 MB line without a space kept BPE training busy (and deaf to Ctrl-C) for longer than anyone waits."""
+    corpus = tmp_path / "long.txt"
+    word = (b"abcdefgh" * 2_600)[: MAX_BPE_WORD_BYTES + 1]
+    corpus.write_bytes(b"short words here\n" * 3_000 + word + b"\n" + b"more short words\n" * 3_000)
+    with pytest.raises(ValueError, match=r"training document 1 holds 20,001 bytes without whitespace.*break the text"):
+        load_corpus(str(corpus), tokenizer="bpe:512")
+    corpus.write_bytes(b"short words here\n" * 3_000 + word[:-1] + b"\n" + b"more short words\n" * 3_000)
+    assert load_corpus(str(corpus), tokenizer="bpe:512").vocab_size > BYTE_VOCAB

@@ -18,10 +18,18 @@ def toy_model() -> torch.nn.Linear:
     return torch.nn.Linear(8, 4)
 
 
-def toy_backward(model: torch.nn.Module, rank: int, step: int) -> None:
+def toy_loss(model: torch.nn.Module, rank: int, step: int) -> torch.Tensor:
+    """The loss on replica `rank`'s batch at `step`."""
     g = torch.Generator().manual_seed(100 * rank + step)
     x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
-    torch.nn.functional.mse_loss(model(x), y).backward()
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def toy_backward(model: torch.nn.Module, rank: int, step: int) -> float:
+    """The gradients of replica `rank`'s batch at `step`; its loss."""
+    loss = toy_loss(model, rank, step)
+    loss.backward()
+    return loss.item()
 
 
 def method_context(model: torch.nn.Module, optim: OptimConfig, steps: int, group) -> MethodContext:

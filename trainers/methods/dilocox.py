@@ -17,11 +17,13 @@ the factors add and two all-reduces carry them (trainers/compression/powersgd.py
 pseudo-gradients through an all-reduce, as OpenDiLoCo does; with overlap, compression and adaptation off this is
 OpenDiLoCo exactly.
 
-`overlap` says when Delta_t is applied and where round t+1 starts: `none` waits for it (blocking); `delayed` (the
+`overlap` says when Delta_t is applied and where round t+1 starts: `streaming` (the default, arXiv 2501.18512)
+starts the exchange tau = `overlap_steps` steps before the round ends and blends at its end, theta_i = alpha theta_i
++ (1 - alpha) theta_t; `none` waits for it (blocking: streaming at tau = 0, alpha = 0, bit for bit); `delayed` (the
 paper's Algorithm 2) applies Delta_{t-1} at the end of round t and restarts from that theta; `eager` (arXiv
 2502.12996) commits as `delayed` but restarts from a look-ahead holding the replica's own fresh share,
-s_i = theta_t - eta (1 + mu) D(P_i^t) / n; `streaming` (the default, arXiv 2501.18512) starts the exchange tau =
-`overlap_steps` steps before the round ends and blends at its end, theta_i = alpha theta_i + (1 - alpha) theta_t.
+s_i = theta_t - eta (1 + mu) D(P_i^t) / n. Each mode is a strategy of trainers/overlap.py, each exchange (gather,
+reduce, fp16) one of trainers/exchange.py; the class below is the round they plug into.
 
 Adaptation (`adaptive`): each replica estimates the rank of c_i before compressing it (the mean over matrices of the
 smallest rank holding `energy` of the squared norm), the estimates are averaged over replicas (16 bytes, sent with
@@ -39,44 +41,33 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from trainers.comm import InFlight, InThread, all_gather_bytes, all_reduce_sum, flatten, unflatten_into
+from trainers.comm import flatten
 from trainers.compression import powersgd
-from trainers.compression.compressors import LowRankQuantizeCompressor, mean_of_payloads
-from trainers.compression.error_feedback import ErrorFeedback, relative_error
-from trainers.compression.lowrank import estimate_rank
+from trainers.compression.compressors import LowRankQuantizeCompressor
 from trainers.compression.quantize import validate_quantization_flags
+from trainers.exchange import EXCHANGES, ExchangeDesign, Sent, round_exchange
 from trainers.method import (
-    Exchange,
     Method,
-    MethodConfig,
     MethodContext,
+    NesterovRoundConfig,
+    RoundConfig,
     SyncPlan,
     SyncReport,
     copy_into,
-    numel,
+    default_of,
     tensor_bytes,
 )
 from trainers.optim import OuterOptimizer, validate_outer
-from trainers.round_metrics import outer_step_monitor, weighted_omega2
-
-Overlap = Literal["none", "delayed", "eager", "streaming"]
-OVERLAP_MODES: tuple[str, ...] = ("none", "delayed", "eager", "streaming")
-ExchangeDesign = Literal["gather", "reduce"]
-EXCHANGES: tuple[str, ...] = ("gather", "reduce")
-# The rank estimate's all-reduce: [sum of the matrices' estimates, matrices] (_rank_totals).
-RANK_TOTALS_DTYPE = torch.float64
-RANK_TOTALS_BYTES = 2 * RANK_TOTALS_DTYPE.itemsize
-# Under exchange=reduce the estimate rides in P's all-reduce: one value, the replica's mean over its matrices / n.
-REDUCED_ESTIMATE_VALUES = 1
+from trainers.overlap import OVERLAP_MODES, OverlapMode, overlap_mode
+from trainers.round_metrics import outer_step_monitor
 
 
 @dataclass(frozen=True)
-class DiLoCoXConfig(MethodConfig):
+class DiLoCoXConfig(NesterovRoundConfig):
     """DiLoCoX's published settings (int4, c = 5), with r_1 and the factoring chosen by our convergence study, the
     overlap that converged there (streaming) in place of the paper's one-step delay, which is `overlap="delayed"`,
     and a round length for the harness's runs in place of the paper's H_1 = 125 (`local_steps=125`).
@@ -92,19 +83,7 @@ class DiLoCoXConfig(MethodConfig):
     go whole until r_t falls below 64, and hidden / 6 on small; the paper's r_1 = 2048 is hidden / 4 of its 8192.
     """
 
-    local_steps: int = field(
-        default=20,
-        metadata={
-            "help": "H_1: inner AdamW steps of the first round (steps per round); adaptation lengthens later rounds "
-            "up to max_local_steps. The paper's is 125."
-        },
-    )
-    outer_lr: float = field(
-        default=0.7, metadata={"help": "eta: learning rate of the outer Nesterov SGD step on theta; above 0."}
-    )
-    outer_momentum: float = field(
-        default=0.9, metadata={"help": "mu: Nesterov momentum of the outer SGD step, in [0, 1)."}
-    )
+    local_steps: int = default_of(RoundConfig, "local_steps", 20)
     rank: int = field(
         default=64,
         metadata={
@@ -116,7 +95,8 @@ class DiLoCoXConfig(MethodConfig):
         default=4,
         metadata={
             "help": "q: bits per value of the quantized factors (1-D tensors are only quantized): 2, 4 or 8. Unused "
-            "under exchange=reduce or compression=false."
+            "under exchange=reduce or compression=false.",
+            "applies_when": {"exchange": ("gather",), "compression": (True,)},
         },
     )
     bucket_size: int = field(
@@ -127,10 +107,11 @@ class DiLoCoXConfig(MethodConfig):
         default=2,
         metadata={
             "help": "Power iterations per matrix per round that find the factors: compute only, no bytes; at least "
-            "1. Unused under exchange=reduce (one warm-started iteration) or compression=false."
+            "1. Unused under exchange=reduce (one warm-started iteration) or compression=false.",
+            "applies_when": {"exchange": ("gather",), "compression": (True,)},
         },
     )
-    overlap: Overlap = field(
+    overlap: OverlapMode = field(
         default="streaming",
         metadata={
             "help": "When a round's average is applied and where the next round starts (trainers/methods/dilocox.py): "
@@ -146,7 +127,8 @@ class DiLoCoXConfig(MethodConfig):
         metadata={
             "help": "tau, under overlap=streaming: the exchange starts this many inner steps before the round ends "
             "and runs behind them; at least 0 and below local_steps. none: local_steps // 10, what the convergence "
-            "study ran (5 at H = 50)."
+            "study ran (5 at H = 50).",
+            "applies_when": {"overlap": ("streaming",)},
         },
     )
     merge_alpha: float = field(
@@ -154,7 +136,8 @@ class DiLoCoXConfig(MethodConfig):
         metadata={
             "help": "alpha, under overlap=streaming: the local copy's weight when a replica blends its weights with "
             "the new theta at a round's end (torchft's alpha), in [0, 1]; 0 restarts from theta, dropping the steps "
-            "taken while the exchange ran."
+            "taken while the exchange ran.",
+            "applies_when": {"overlap": ("streaming",)},
         },
     )
     exchange: ExchangeDesign = field(
@@ -163,14 +146,17 @@ class DiLoCoXConfig(MethodConfig):
             "help": "How the compressed pseudo-gradients travel: gather (the paper's: every replica's factors to every "
             "other, n-1 payloads per site) or reduce (PowerSGD's shared basis: factors add, 2(n-1)/n of one payload "
             "per site; bits and power_iterations unused, not with overlap=eager or compression=false; "
-            "trainers/compression/powersgd.py)."
+            "trainers/compression/powersgd.py).",
+            "before_it_existed": "gather",
         },
     )
     reduce_wire: powersgd.RunWire = field(
         default="bf16",
         metadata={
             "help": "Under exchange=reduce, what the all-reduces carry: bf16, or int8 or int4 through a ring that "
-            "re-quantizes each hop (half or a quarter of bf16's bytes)."
+            "re-quantizes each hop (half or a quarter of bf16's bytes).",
+            "applies_when": {"exchange": ("reduce",)},
+            "before_it_existed": "bf16",
         },
     )
     adaptive: bool = field(
@@ -201,19 +187,18 @@ class DiLoCoXConfig(MethodConfig):
             "norm, in (0, 1]."
         },
     )
-    min_rank: int = field(default=4, metadata={"help": "The lowest rank adaptation may choose, between 1 and rank."})
+    min_rank: int = field(
+        default=4,
+        metadata={
+            "help": "The lowest rank adaptation may choose, between 1 and rank.",
+            "applies_when": {"adaptive": (True,)},
+        },
+    )
     max_local_steps: int | None = field(
         default=None,
         metadata={
-            "help": "The longest round adaptation may choose, in steps; at least local_steps. none: 4 x local_steps."
-        },
-    )
-    final_sync: bool = field(
-        default=True,
-        metadata={
-            "help": "Synchronize the steps of an unfinished last round at the end of the run (blocking), so every "
-            "trained token is in the final theta; final_sync=false drops them, as DiLoCo does (they then do not "
-            "count as applied tokens)."
+            "help": "The longest round adaptation may choose, in steps; at least local_steps. none: 4 x local_steps.",
+            "applies_when": {"adaptive": (True,)},
         },
     )
 
@@ -266,10 +251,6 @@ class DiLoCoXConfig(MethodConfig):
                 f"max_local_steps must be at least local_steps ({self.local_steps}), got {self.max_local_steps}"
             )
 
-    def max_syncs(self, steps: int) -> int:
-        """The most rounds a run of `steps` steps exchanges: H_t never falls below H_1."""
-        return -(-steps // self.local_steps) if self.final_sync else steps // self.local_steps
-
     @property
     def local_steps_cap(self) -> int:
         return 4 * self.local_steps if self.max_local_steps is None else self.max_local_steps
@@ -281,36 +262,17 @@ class DiLoCoXConfig(MethodConfig):
         )
 
     def check_shapes(self, shapes: Sequence[torch.Size]) -> None:
-        if self.exchange == "reduce":
-            powersgd.check_rank(shapes, self.rank)
+        round_exchange(self).check_shapes(self, shapes)
 
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
-        """Once a round the rank-r_1 int-q factors' all-gather (fp16 pseudo-gradients' all-reduce without
-        compression) and, with adaptation, the rank estimate's all-reduce beside it, hidden behind what overlap
-        runs while they are in flight. At r_1 and H_1: adaptation lowers r and raises H from there."""
-        hidden = {"none": 0, "streaming": self.overlap_steps, "delayed": self.local_steps, "eager": self.local_steps}
-        if self.exchange == "reduce":
-            # P's all-reduce (the rank estimate inside it), then Q's, which needs P: one after the other.
-            extra = REDUCED_ESTIMATE_VALUES if self.adaptive else 0
-            numels = powersgd.buffer_numels(shapes, self.rank, extra, self.reduce_wire)
-            exchanges = tuple(Exchange("all-reduce", powersgd.buffer_nbytes(n, self.reduce_wire)) for n in numels)
-            return SyncPlan(
-                exchanges,
-                self.local_steps,
-                hidden[self.overlap],
-                slow_start=True,
-                adaptive=self.adaptive,
-                sequential=True,
-            )
-        if self.compression:
-            compressor = self.compressor()
-            exchanges = [Exchange("all-gather", sum(compressor.payload_nbytes(shape) for shape in shapes))]
-        else:
-            exchanges = [Exchange("all-reduce", torch.float16.itemsize * numel(shapes))]
-        if self.adaptive:
-            exchanges.append(Exchange("all-reduce", RANK_TOTALS_BYTES))
+        """Once a round the exchange's collectives at r_1 (trainers/exchange.py: the factors' all-gather, P's and Q's
+        all-reduces, or the fp16 all-reduce) and, with adaptation, the rank estimate's all-reduce beside them,
+        hidden behind the steps the overlap runs while they are in flight. At r_1 and H_1: adaptation lowers r and
+        raises H from there."""
+        exchanges, sequential = round_exchange(self).planned(self, shapes)
+        hidden = overlap_mode(self).hidden_steps(self.local_steps)
         return SyncPlan(
-            tuple(exchanges), self.local_steps, hidden[self.overlap], slow_start=True, adaptive=self.adaptive
+            exchanges, self.local_steps, hidden, slow_start=True, adaptive=self.adaptive, sequential=sequential
         )
 
 
@@ -320,26 +282,12 @@ def adapted_schedule(estimates: Sequence[int], cfg: DiLoCoXConfig) -> tuple[int,
     return rank, min(cfg.local_steps_cap, round(cfg.local_steps * cfg.rank / rank))
 
 
-@dataclass
-class _Exchange:
-    """One round's pseudo-gradients on their way to every replica."""
-
-    round: int
-    steps: int  # inner steps whose progress it carries: applied with it
-    rank: int  # the r its payloads were encoded with: decoding them needs it, and r may change before they land
-    buffers: list[torch.Tensor]  # compressed: every replica's payload; fp16: the one summed buffer (once done)
-    inflight: InFlight
-    rank_totals: torch.Tensor  # [sum of matrix rank estimates, matrices]: over the replicas once `estimate` is done
-    estimate: InFlight  # the all-reduce of rank_totals (nothing on the wire without adaptation)
-    fields: dict = field(default_factory=dict)  # measured when sent: r, H, compression error and its bounds
-    own_share: list[torch.Tensor] | None = None  # eager: D(P_i), what this replica sent, decoded
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.inflight.payload_bytes + self.estimate.payload_bytes
-
-
 class DiLoCoX(Method):
+    """The round of the module docstring: step() runs H_t inner steps and starts the exchange `lead` steps before
+    the round's end (_send), _outer_step() applies what has landed (_apply: the outer step, then adaptation) and
+    restarts the replica; finish() lands what is still in flight. The overlap mode and the exchange are strategies
+    chosen once here, from the config."""
+
     config_class = DiLoCoXConfig
     keeps_global_copy = True  # theta
 
@@ -348,35 +296,31 @@ class DiLoCoX(Method):
         # The dual optimizer of this stage only: the inner AdamW (the base class's) on the local weights, the
         # outer Nesterov on theta.
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
-        self.compressor = cfg.compressor(ctx.seed)  # under exchange=reduce it only holds r_t
-        # The run's seed is every replica's, so their shared bases start equal.
-        self.reducer = powersgd.PowerSGDReducer(ctx.seed, cfg.reduce_wire) if cfg.exchange == "reduce" else None
-        self.error_feedback = ErrorFeedback()  # e_i, per parameter name
+        self.overlap = overlap_mode(cfg, ctx.replicas)  # when the exchange runs and lands, where rounds restart
+        self.exchange = round_exchange(cfg)(cfg, ctx)  # how the pseudo-gradients travel
+        self.rank = cfg.rank  # r_t of the round in progress
         self.local_steps = cfg.local_steps  # H_t of the round in progress
         # The window starts full of r_1: an early estimate, from pseudo-gradients of the warm-up, moves r only
         # 1/c of the way, and r keeps falling only while the estimates stay low.
         self.rank_estimates = deque([cfg.rank] * cfg.rank_window, maxlen=cfg.rank_window)
         # s_i, where the round in progress started and its delta is measured from: theta itself, except that
         # eager restarts from its own look-ahead.
-        self.round_start = self.global_params
-        if cfg.overlap == "eager":
-            self.round_start = [g.clone() for g in self.global_params]
+        self.round_start = self.overlap.round_start(self.global_params)
         self.round = 0  # rounds sent
         self.steps_in_round = 0
         self.unsent_steps = 0  # steps whose progress is only in the local weights, not yet in an exchange
         self.synchronized_steps = 0  # steps of the exchanges applied to theta so far
-        self.sending: _Exchange | None = None  # streaming: this round's exchange, started tau steps before its end
-        self.in_flight: _Exchange | None = None  # delayed, eager: the last round's exchange, not yet applied
+        self.sending: Sent | None = None  # this round's exchange, started `lead` steps before its end
         self.last_average: torch.Tensor | None = None  # for the monitor: the last Delta applied, flat
 
     def step(self, step: int) -> SyncReport | None:
         self.inner.step()
         self.steps_in_round += 1
         self.unsent_steps += 1
-        lead = self.cfg.overlap_steps
+        lead = self.overlap.lead
         # The round in which training ends sends at its end, holding every step (the module docstring, finish()).
         ends_run = self.ctx.total_steps - 1 - step <= lead
-        if self.cfg.overlap == "streaming" and self.steps_in_round == self.local_steps - lead and not ends_run:
+        if self.steps_in_round == self.local_steps - lead and not ends_run:
             self.sending = self._send()
         if self.steps_in_round < self.local_steps:
             return None
@@ -384,170 +328,66 @@ class DiLoCoX(Method):
 
     @torch.no_grad()
     def _outer_step(self) -> SyncReport:
-        """The end of a round: send it (streaming sent it tau steps ago), apply what has landed, restart."""
+        """The end of a round: send it (if it was not sent `lead` steps ago), apply what has landed, restart."""
         sent = self.sending if self.sending is not None else self._send()
         self.sending = None
-        if self.cfg.overlap in ("delayed", "eager"):
-            # This round's exchange runs behind the next round's inner steps; the last round's lands now.
-            arrived, self.in_flight = self.in_flight, sent
-        else:
-            arrived = sent
+        # This round's exchange, or, overlapped, the last round's (None in round 1: theta stays theta_0).
+        arrived = self.overlap.land(sent)
         fields = {**sent.fields, "round_steps": self.steps_in_round}
         blocked_s = overlapped_s = 0.0
         if arrived is not None:
             blocked_s, overlapped_s, applied = self._apply(arrived)
             fields.update(applied)
-        # Round 1 under delayed and eager applied nothing: theta is still theta_0.
-        self._restart(sent)
+        if self.overlap.restart(self.global_params, self.params, sent):
+            self.unsent_steps = 0
         self.steps_in_round = 0
         return SyncReport(
             payload_bytes=sent.payload_bytes, blocked_s=blocked_s, overlapped_s=overlapped_s, fields=fields
         )
 
-    def _restart(self, sent: _Exchange) -> None:
-        """Where the replica's next round starts (see overlap in the module docstring)."""
-        if self.cfg.overlap == "eager":
-            # s_i = theta_t - eta (1 + mu) D(P_i^t) / n: the committed step had it held this replica's fresh share.
-            scale = self.cfg.outer_lr * (1 + self.cfg.outer_momentum) / self.ctx.replicas
-            for start, theta, own in zip(self.round_start, self.global_params, sent.own_share, strict=True):
-                torch.sub(theta, own, alpha=scale, out=start)
-            sent.own_share = None  # not needed while the exchange is in flight
-            copy_into(self.round_start, self.params)
-        elif self.cfg.overlap == "streaming":
-            # torchft's merge: lerp(global, local, alpha). The steps after the snapshot stay in the local weights
-            # at weight alpha, to travel with the next round's delta; at alpha = 0 they are gone.
-            merged = [
-                torch.lerp(g, p.detach().float(), self.cfg.merge_alpha)
-                for g, p in zip(self.global_params, self.params, strict=True)
-            ]
-            copy_into(merged, self.params)
-            if self.cfg.merge_alpha == 0:
-                self.unsent_steps = 0
-        else:
-            copy_into(self.global_params, self.params)
-
     @torch.no_grad()
-    def _send(self) -> _Exchange:
+    def _send(self) -> Sent:
         """Start exchanging the progress since the round started (and, alongside, the rank estimate)."""
         self.round += 1
-        fields = {"round": self.round, "rank_r": self.compressor.rank, "local_steps_h": self.local_steps}
         deltas = [s - p.float() for s, p in zip(self.round_start, self.params, strict=True)]
         steps, self.unsent_steps = self.unsent_steps, 0
-        if not self.cfg.compression:
-            # One flat fp16 bucket, summed in fp16 on the wire, exactly as OpenDiLoCo does.
-            wire = flatten(deltas).to(torch.float16)
-            own_share = None
-            if self.cfg.overlap == "eager":
-                own_share = [torch.empty_like(d) for d in deltas]
-                unflatten_into(wire.float(), own_share)
-            error = relative_error(flatten(deltas), wire)
-            fields.update(
-                compression_error=error, compression_error2=error**2, omega2_paper=None, omega2_corrected=None
-            )
-            totals, estimate = self._rank_totals(deltas)
-            inflight = all_reduce_sum(wire, self.ctx.data_parallel_group)
-            return _Exchange(
-                self.round, steps, self.compressor.rank, [wire], inflight, totals, estimate, fields, own_share
-            )
-        if self.reducer is not None:
-            return self._send_reduced(deltas, steps, fields)
-        payloads, compensated, transmitted = [], [], []
-        for name, delta in zip(self.names, deltas, strict=True):
-            c = self.error_feedback.compensate(name, delta)
-            payload = self.compressor.encode(c, self.round, key=name)
-            # The residual is what this replica's payload really carries short of c: decode it as others will.
-            t = self.compressor.decode(payload, c.shape, self.round)
-            self.error_feedback.update(name, c, t)
-            payloads.append(payload)
-            compensated.append(c)
-            transmitted.append(t)
-        # Every replica of the group uses the same shapes and r, so the buffers have equal sizes, as gather needs.
-        buffers, inflight = all_gather_bytes(torch.cat(payloads), self.ctx.data_parallel_group)
-        error = relative_error(flatten(compensated), flatten(transmitted))
-        fields.update(
-            compression_error=error,
-            compression_error2=error**2,
-            **weighted_omega2(compensated, self.compressor.rank, self.cfg.bits),
-        )
-        # Estimated on c, before compression: after it, at most r of its directions are left to see.
-        totals, estimate = self._rank_totals(compensated)
-        own_share = transmitted if self.cfg.overlap == "eager" else None
-        return _Exchange(
-            self.round, steps, self.compressor.rank, buffers, inflight, totals, estimate, fields, own_share
-        )
+        fields = {"round": self.round, "rank_r": self.rank, "local_steps_h": self.local_steps}
+        sent = Sent(self.round, steps, self.rank, fields)
+        self.exchange.send(deltas, sent, keep_own=self.overlap.keeps_own_share)
+        return sent
 
     @torch.no_grad()
-    def _send_reduced(self, deltas: list[torch.Tensor], steps: int, fields: dict) -> _Exchange:
-        """exchange=reduce: start the shared-basis exchange (trainers/compression/powersgd.py) on a thread of its
-        own, the rank estimate inside its first all-reduce. Its error feedback is set when its factors are known, so
-        the exchange before must have landed before this round compensates (under delayed it may still be in flight:
-        waiting here is time blocked on the link, reported with that exchange)."""
-        if self.in_flight is not None:
-            self.in_flight.inflight.wait()
-        compensated = [self.error_feedback.compensate(n, d) for n, d in zip(self.names, deltas, strict=True)]
-        totals, _ = self._rank_totals(compensated, exchange=False)
-        total, count = totals.tolist()
-        extra = torch.tensor([total / count / self.ctx.replicas] if self.cfg.adaptive and count else [])
-        rank, group, replicas = self.compressor.rank, self.ctx.data_parallel_group, self.ctx.replicas
-
-        def run() -> tuple[powersgd.Reduced, dict]:
-            reduced = self.reducer.exchange(compensated, self.names, rank, extra, group, replicas)
-            for name, c, t in zip(self.names, compensated, reduced.transmitted, strict=True):
-                self.error_feedback.update(name, c, t)
-            error = relative_error(flatten(compensated), flatten(reduced.transmitted))
-            bounds = weighted_omega2(compensated, rank, powersgd.WIRE_BITS[self.cfg.reduce_wire])
-            return reduced, {"compression_error": error, "compression_error2": error**2, **bounds}
-
-        shapes = [d.shape for d in deltas]
-        inflight = InThread(run, powersgd.payload_bytes(shapes, rank, replicas, extra.numel(), self.cfg.reduce_wire))
-        if self.cfg.adaptive and count:
-            # Filled in from the reduced estimate once the exchange lands (_apply): [mean x matrices, matrices].
-            totals = torch.tensor([math.nan, count], dtype=RANK_TOTALS_DTYPE)
-        return _Exchange(self.round, steps, rank, [], inflight, totals, InFlight(None, 0), fields)
-
-    def _rank_totals(self, tensors: list[torch.Tensor], exchange: bool = True) -> tuple[torch.Tensor, InFlight]:
-        """This stage's [sum of estimate_rank over its matrices, matrices], and, with adaptation (and `exchange`),
-        its all-reduce over the data-parallel group started (so the window gets the replicas' mean)."""
-        ranks = [estimate_rank(t.reshape(t.shape[0], -1), self.cfg.energy) for t in tensors if t.ndim >= 2]
-        totals = torch.tensor([sum(ranks), len(ranks)], dtype=RANK_TOTALS_DTYPE, device=tensors[0].device)
-        if not (self.cfg.adaptive and exchange):
-            return totals, InFlight(None, 0)
-        return totals, all_reduce_sum(totals, self.ctx.data_parallel_group)
-
-    @torch.no_grad()
-    def _apply(self, exchange: _Exchange) -> tuple[float, float, dict]:
-        """Wait for `exchange`, take the outer step with its average and adapt; (blocked, overlapped, fields)."""
-        blocked_s, overlapped_s = exchange.inflight.wait()
-        waited_s, hidden_s = exchange.estimate.wait()
-        fields = {}
-        if self.reducer is not None:
-            reduced, fields = exchange.inflight.result
-            if self.cfg.adaptive and reduced.extra.numel():
-                exchange.rank_totals[0] = float(reduced.extra[0]) * exchange.rank_totals[1]
-        average = self._average(exchange)
+    def _apply(self, sent: Sent) -> tuple[float, float, dict]:
+        """Wait for `sent`, take the outer step with its average and adapt; (blocked, overlapped, fields)."""
+        landed = self.exchange.land(sent, self.global_params)
         before = [g.clone() for g in self.global_params]
-        self.outer.step(average)
-        self.synchronized_steps += exchange.steps
+        self.outer.step(landed.average)
+        self.synchronized_steps += sent.steps
 
-        fields.update(estimated_rank=self._estimated_rank(exchange.rank_totals), **self._monitor(before, average))
+        fields = landed.fields
+        fields.update(estimated_rank=self._estimated_rank(sent.rank_totals), **self._monitor(before, landed.average))
         if self.cfg.adaptive:
             self.rank_estimates.append(fields["estimated_rank"])
             # Takes effect from the round that starts now: its payload and its length.
-            self.compressor.rank, self.local_steps = adapted_schedule(self.rank_estimates, self.cfg)
-        return blocked_s + waited_s, overlapped_s + hidden_s, fields
+            self.rank, self.local_steps = adapted_schedule(self.rank_estimates, self.cfg)
+        return landed.blocked_s, landed.overlapped_s, fields
 
-    def _average(self, exchange: _Exchange) -> list[torch.Tensor]:
-        """Delta: the replicas' mean pseudo-gradient per parameter, identical on every rank."""
-        if self.reducer is not None:
-            reduced, _ = exchange.inflight.result
-            return reduced.average
-        if not self.cfg.compression:
-            average = [torch.empty_like(g) for g in self.global_params]
-            unflatten_into(exchange.buffers[0].float() / self.ctx.replicas, average)
-            return average
-        # Decoding needs only the shapes and the rank the payloads were made with.
-        decoder = LowRankQuantizeCompressor(exchange.rank, self.cfg.bits, self.cfg.bucket_size)
-        return mean_of_payloads(exchange.buffers, decoder, [g.shape for g in self.global_params], exchange.round)
+    def finish(self) -> list[SyncReport]:
+        """Called after the run's ctx.total_steps steps: apply what is still in flight, so training ends on a theta
+        that holds every round, and every replica holds theta. With final_sync an unfinished last round (one with
+        inner steps since the last outer step) is exchanged as an ordinary, shorter round; then the exchange still
+        in flight (delayed, eager) is applied. No outer step is taken on a round without inner steps: streaming's
+        last round sent at its end (step()), so nothing trained is left outside an exchange. One report each, so
+        each apply's monitor fields are logged at its own round."""
+        reports = []
+        if self.cfg.final_sync and self.steps_in_round:
+            reports.append(self._outer_step())
+        pending = self.overlap.drain()
+        if pending is not None:
+            blocked_s, overlapped_s, fields = self._apply(pending)
+            reports.append(SyncReport(0, blocked_s, overlapped_s, fields))
+        copy_into(self.global_params, self.params)
+        return reports
 
     def _estimated_rank(self, totals: torch.Tensor) -> int:
         """rhat: the mean estimate over the matrices of every stage (and, with adaptation, every replica).
@@ -568,23 +408,6 @@ class DiLoCoX(Method):
         self.last_average = delta
         return fields
 
-    def finish(self) -> list[SyncReport]:
-        """Called after the run's ctx.total_steps steps: apply what is still in flight, so training ends on a theta
-        that holds every round, and every replica holds theta. With final_sync an unfinished last round (one with
-        inner steps since the last outer step) is exchanged as an ordinary, shorter round; then the exchange still
-        in flight (delayed, eager) is applied. No outer step is taken on a round without inner steps: streaming's
-        last round sent at its end (step()), so nothing trained is left outside an exchange. One report each, so
-        each apply's monitor fields are logged at its own round."""
-        reports = []
-        if self.cfg.final_sync and self.steps_in_round:
-            reports.append(self._outer_step())
-        if self.in_flight is not None:
-            exchange, self.in_flight = self.in_flight, None
-            blocked_s, overlapped_s, fields = self._apply(exchange)
-            reports.append(SyncReport(0, blocked_s, overlapped_s, fields))
-        copy_into(self.global_params, self.params)
-        return reports
-
     def applied_steps(self, trained_steps: int) -> int:
         return self.synchronized_steps
 
@@ -595,6 +418,6 @@ class DiLoCoX(Method):
         Not counted: the compressor's warm-start factors Q (n x r per matrix), the monitor's last average, and the
         payload buffers of an exchange in flight: communication state, not optimizer state.
         """
-        residuals = tensor_bytes(self.error_feedback.residuals.values())
+        residuals = self.exchange.state_bytes()
         look_ahead = tensor_bytes(self.round_start) if self.round_start is not self.global_params else 0
         return super().optimizer_state_bytes() + self.outer.state_bytes() + residuals + look_ahead

@@ -26,8 +26,8 @@ from trainers.compression.cast import CAST_DTYPES, CastDtype
 from trainers.method import (
     BlockingRounds,
     Exchange,
-    MethodConfig,
     MethodContext,
+    NesterovRoundConfig,
     SyncPlan,
     SyncReport,
     copy_into,
@@ -37,18 +37,10 @@ from trainers.optim import OuterOptimizer, validate_outer
 
 
 @dataclass(frozen=True)
-class OpenDiLoCoConfig(MethodConfig):
-    """OpenDiLoCo's published settings; benchmarks on small models use a much smaller H."""
+class OpenDiLoCoConfig(NesterovRoundConfig):
+    """OpenDiLoCo's published settings (DiLoCo's H = 500, outer lr 0.7, momentum 0.9: trainers/method.py's
+    RoundConfig); benchmarks on small models use a much smaller H."""
 
-    local_steps: int = field(
-        default=500,
-        metadata={"help": "H: inner AdamW steps each replica trains alone between two outer steps (steps per round)."},
-    )
-    outer_lr: float = field(
-        default=0.7,
-        metadata={"help": "Learning rate of the outer Nesterov SGD step on the averaged pseudo-gradient; above 0."},
-    )
-    outer_momentum: float = field(default=0.9, metadata={"help": "Nesterov momentum of the outer SGD step, in [0, 1)."})
     pseudo_grad_dtype: CastDtype = field(
         default="fp16",
         metadata={
@@ -56,18 +48,6 @@ class OpenDiLoCoConfig(MethodConfig):
             "fp32 (2, 2 or 4 bytes per value)."
         },
     )
-    final_sync: bool = field(
-        default=True,
-        metadata={
-            "help": "Synchronize the steps of an unfinished last round at the end of the run, so every trained token "
-            "is in the final model; final_sync=false drops them, as DiLoCo does (they then do not count as applied "
-            "tokens)."
-        },
-    )
-
-    def max_syncs(self, steps: int) -> int:
-        """How many outer steps a run of `steps` steps takes."""
-        return -(-steps // self.local_steps) if self.final_sync else steps // self.local_steps
 
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """The pseudo-gradients' all-reduce in pseudo_grad_dtype once a round, blocking."""

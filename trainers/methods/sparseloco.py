@@ -71,25 +71,26 @@ from trainers.compression.chunked_topk import ChunkedTopK, mean_over_senders
 from trainers.method import (
     BlockingRounds,
     Exchange,
-    MethodConfig,
     MethodContext,
+    RoundConfig,
     SyncPlan,
     SyncReport,
     copy_into,
+    default_of,
     tensor_bytes,
 )
 from trainers.optim import OuterOptimizer, validate_outer
 
 
 @dataclass(frozen=True)
-class SparseLoCoConfig(MethodConfig):
+class SparseLoCoConfig(RoundConfig):
     """SparseLoCo's published settings: H = 30 as Covenant-72B ran it; the rest the paper's and the reference code's
-    (outer lr 1, error decay 0.95, 64 of every 64 x 64 = 4096 values, 2-bit values in a 6-sigma range)."""
+    (outer lr 1, error decay 0.95, 64 of every 64 x 64 = 4096 values, 2-bit values in a 6-sigma range).
 
-    local_steps: int = field(
-        default=30,
-        metadata={"help": "H: inner AdamW steps each replica trains alone between two outer steps (steps per round)."},
-    )
+    Its round is RoundConfig's, its outer step not NesterovRoundConfig's: its outer_lr, alpha, also scales what
+    enters the error buffer, and the buffer stands in for momentum, so both settings stay here."""
+
+    local_steps: int = default_of(RoundConfig, "local_steps", 30)
     outer_lr: float = field(
         default=1.0,
         metadata={
@@ -129,14 +130,6 @@ class SparseLoCoConfig(MethodConfig):
             "= quantization_range x sigma / 2^b); above 0."
         },
     )
-    final_sync: bool = field(
-        default=True,
-        metadata={
-            "help": "Synchronize the steps of an unfinished last round at the end of the run, so every trained token "
-            "is in the final theta; final_sync=false drops them, as DiLoCo does (they then do not count as applied "
-            "tokens)."
-        },
-    )
 
     def __post_init__(self) -> None:
         validate_outer(self.local_steps, self.outer_lr, 0.0)
@@ -151,10 +144,6 @@ class SparseLoCoConfig(MethodConfig):
             raise ValueError(f"bits must be an integer from 1 to 8, got {self.bits}")
         if not 0 < self.quantization_range < math.inf:
             raise ValueError(f"quantization_range must be a positive finite number, got {self.quantization_range}")
-
-    def max_syncs(self, steps: int) -> int:
-        """How many outer steps a run of `steps` steps takes."""
-        return -(-steps // self.local_steps) if self.final_sync else steps // self.local_steps
 
     def compressor(self) -> ChunkedTopK:
         return ChunkedTopK(self.chunk_size, self.density, self.bits, self.quantization_range)

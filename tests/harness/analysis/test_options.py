@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from harness.analysis.comparison import comparison
 from harness.analysis.options import AS_GIVEN, unique_labels
-from harness.analysis.report import markdown
-from harness.analysis.tables import load_runs
+from harness.analysis.report.aggregates import comparison
+from harness.analysis.report.results import report_markdown
+from harness.analysis.report.tables import load_runs
 from harness.run.config import RunConfig
 from tests.harness.fakeruns import write_run
 from trainers.methods.dilocox import DiLoCoXConfig
@@ -74,6 +74,22 @@ def test_a_run_made_before_a_default_changed_is_its_own_variant(tmp_path):
     assert runs.loc["before", "variant"] == "dilocox (outer_lr=0.5)" and runs.loc["today", "variant"] == "dilocox"
 
 
+def test_a_run_made_before_a_setting_existed_reads_it_as_what_it_ran(tmp_path):
+    """DiLoCoX's exchange and reduce_wire came after the gate's reference runs, which then read exchange=None and
+    could not be checked again: a setting added later reads as the value every earlier run had."""
+    write_run(tmp_path, "today", "dilocox")
+    before = write_run(tmp_path, "before", "dilocox", seed=1)
+    recorded = {k: v for k, v in _summary(before)["method_options"].items() if k not in ("exchange", "reduce_wire")}
+    _rewrite_summary(before, method_options=recorded)
+    runs = _by_name(load_runs([tmp_path]).runs)
+    assert runs.loc["before", "variant_key"] == runs.loc["today", "variant_key"]
+    assert runs.loc["before", "variant"] == "dilocox"
+    # A run that recorded another value keeps it.
+    _rewrite_summary(before, method_options={**recorded, "exchange": "reduce"})
+    runs = _by_name(load_runs([tmp_path]).runs)
+    assert runs.loc["before", "variant"] == "dilocox (exchange=reduce)"
+
+
 def test_a_folder_that_recorded_only_its_given_options_is_marked_kept_apart_and_noted(tmp_path):
     write_run(tmp_path, "new", "dilocox", options={"rank": 32})
     _as_older_harness_wrote_it(
@@ -86,7 +102,7 @@ def test_a_folder_that_recorded_only_its_given_options_is_marked_kept_apart_and_
     assert json.loads(runs.loc["old", "options"]) == resolved_options("dilocox", {"rank": 32})
     assert not runs.loc["old", "options_recorded"] and runs.loc["old", "options_commit"].startswith("abc1234")
     assert runs.loc["new", "variant"] == "dilocox (rank=32)"
-    text = markdown(comparison(tables), tables.runs)
+    text = report_markdown(comparison(tables), tables.runs)
     assert f"1 run marked {AS_GIVEN} recorded only the options given" in text and "commit abc1234" in text
 
 

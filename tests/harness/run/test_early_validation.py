@@ -216,6 +216,17 @@ CASES = [
         ["run", "--tokenizer", "bpe:100"],
         ["bpe:N needs a vocabulary N of at least 258", "e.g. bpe:4096"],
     ),
+    # Printed as text: rich once read ":-1:" and ":warning:" as emoji codes.
+    Case(
+        "tokenizer-text-not-read-as-emoji",
+        ["run", "--tokenizer", "bpe:-1"],
+        ["--tokenizer bpe:-1: bpe:N needs a vocabulary N of at least 258"],
+    ),
+    Case(
+        "data-path-not-read-as-emoji-or-markup",
+        ["run", "--data", "{tmp}/a:warning:[bold]b"],
+        ["--data {tmp}/a:warning:[bold]b does not exist"],
+    ),
     Case(
         "tokenizer-file-not-a-tokenizer",
         ["run", "--tokenizer", "{tmp}/tokenizer.json"],
@@ -256,6 +267,16 @@ CASES = [
         ["run", "--model", "{tmp}/m", "--tokenizer", "bpe:1024", "--seq-len", str(SEQ_LEN)],
         ["the tokenizer has 1024 tokens but model", "embeds 512", "vocab_size >= 1024"],
         files={"m/config.json": GPT2_CONFIG},
+    ),
+    Case(
+        "model-larger-than-the-hosts-memory",
+        ["run", "--model", "{tmp}/m", "--seq-len", str(SEQ_LEN)],
+        ["the model has", "M parameters: 2 rank(s) need at least", "TiB", "available", "use a smaller --model"],
+        files={
+            "m/config.json": GPT2_CONFIG.replace('"n_embd": 64', '"n_embd": 65536').replace(
+                '"n_head": 4', '"n_head": 64'
+            )
+        },
     ),
     Case(
         "model-hub-name",

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.trainers.spawn import run_scenarios
-from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
+from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_loss, toy_model
 from trainers.method import MethodContext
 from trainers.methods.dilocox import DiLoCoX, DiLoCoXConfig
 from trainers.registry import build_method, method_config
@@ -92,16 +92,20 @@ def _run(options: dict, steps: int, finish: bool = True, group=None, rank: int =
     """The toy model trained `steps` steps with real gradients; what the method reported and holds."""
     model = toy_model()
     method = DiLoCoX(method_context(model, TOY_OPTIM, steps, group), DiLoCoXConfig(**options))
-    reports, restarts, thetas = [], [], []
+    reports, restarts, thetas, losses = [], [], [], []
     for step in range(steps):
-        toy_backward(model, rank, step)
+        losses.append(toy_backward(model, rank, step))
         report = method.step(step)
         if report is not None:
             reports.append({k: v for k, v in report.as_event().items() if k not in TIMINGS})
             restarts.append(clones(model.parameters()))
             thetas.append(clones(method.global_params))
     final = method.finish() if finish else []
+    with method.eval_parameters(), torch.no_grad():
+        val = toy_loss(model, 99, 0).item()
     return {
+        "losses": losses,
+        "val": val,
         "reports": reports,
         "restarts": restarts,
         "thetas": thetas,
@@ -131,6 +135,29 @@ def test_streaming_without_lead_or_blend_is_none(rank, compression):
     # Not vacuous: a lead of one step changes the result.
     led = _run({**common, "overlap": "streaming", "overlap_steps": 1, "merge_alpha": 0.0}, 25)
     assert not all(torch.equal(a, b) for a, b in zip(none["global"], led["global"], strict=True))
+
+
+@pytest.mark.parametrize(
+    "exchange",
+    [
+        {"compression": False},
+        {"exchange": "gather"},
+        {"exchange": "reduce"},
+        {"exchange": "reduce", "reduce_wire": "int4"},
+    ],
+    ids=["fp16", "gather", "reduce", "reduce-int4"],
+)
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_none_and_streaming_without_lead_or_blend_lose_the_same_step_by_step(exchange, adaptive):
+    """Why trainers/overlap.py runs overlap=none as streaming at tau = 0, alpha = 0: every step's loss and the final
+    theta's val loss are equal to the bit, with every exchange, adapting or not, with a partial last round."""
+    common = {"local_steps": 4, "rank": 2, "min_rank": 1, "rank_window": 2, "adaptive": adaptive, **exchange}
+    none = _run({**common, "overlap": "none"}, 25)
+    streaming = _run({**common, "overlap": "streaming", "overlap_steps": 0, "merge_alpha": 0.0}, 25)
+    assert none["losses"] == streaming["losses"] and none["val"] == streaming["val"]
+    # Not vacuous: a lead of one step loses differently.
+    led = _run({**common, "overlap": "streaming", "overlap_steps": 1, "merge_alpha": 0.0}, 25)
+    assert led["losses"] != none["losses"]
 
 
 def test_eager_with_one_replica_restarts_where_blocking_diloco_is():

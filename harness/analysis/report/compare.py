@@ -1,0 +1,269 @@
+"""`harness compare`'s report (harness/analysis/report/time_to_target.py's Comparison) as people read it: the
+markdown table per profile with its notes, the one-line summaries, composed vs measured, and the files compare.md,
+compare.csv, compare.json and figures/ (harness/analysis/report/compare_figures.py).
+
+Every composed figure carries its label: the table's "how" column, the summary line's "composed estimate", the CSV's
+and JSON's `how`, the figure's legend. A composed row whose trace failed the steadiness check
+(harness/analysis/projection/composition.py) is marked with FLAG and its reason is in the notes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from harness.analysis.plan import BASELINE, CEILING, TARGET_FACTOR, TRACES_DIR
+from harness.analysis.projection.composition import MIN_ROUNDS, MIN_STEADY_STEPS, STEADY_TOLERANCE, Cadence
+from harness.analysis.report.markdown import (
+    blank,
+    change,
+    count,
+    half_percent,
+    markdown_table,
+    percent,
+    spread_cell,
+    times,
+)
+from harness.analysis.report.time_to_target import COMPOSED, MEASURED, Comparison
+
+FLAG = "⚠"
+HEADER = [
+    "how", "method", "n", "steps", "time to target", "speed-up vs allreduce", "applied tokens/s",
+    "utilisation (vs local)", "wire B/token", "final val loss", "loss vs allreduce (equal tokens)",
+]  # fmt: skip
+LEGEND = (
+    "n: runs (seeds). Each figure is the mean, then ± the 95% confidence half-width (Student t) when n ≥ 3, the range "
+    '(min–max) when n = 2, or "n=1, no spread"; time to target is over the runs that reached it. Speed-up is '
+    "allreduce's time to target over the method's, utilisation the method's tokens/s over local's, and the loss gap "
+    "the method's validation loss over allreduce's at the largest token count both evaluated: each paired per seed."
+)
+
+
+def _ratio(r: pd.Series, name: str, fmt: Callable[[float], str], half: Callable[[float], str]) -> str:
+    """A paired ratio's cell: 1 for the reference itself, "n/a" without a reference (comparison.ratio's pairing)."""
+    how = r[f"{name}_pairing"]
+    if how == "reference":
+        return fmt(1.0)
+    if not how or blank(r[name]):
+        return "n/a"
+    if how == "ratio of means":
+        return f"{fmt(r[name])} (ratio of means)"
+    return spread_cell(r, name, fmt, half)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:,.1f} s"
+
+
+def _half(value: float) -> str:
+    # Equal figures differ by float rounding only; 5.3e-07 would read as a measured spread.
+    return f"{value:.2g}" if abs(value) >= 5e-3 else "0"
+
+
+def unsteady(r: pd.Series) -> bool:
+    """A composed row whose trace failed the steadiness check (its reasons are in `trace_problems`)."""
+    problems = r.get("trace_problems")
+    return r["how"] == COMPOSED and isinstance(problems, str) and bool(problems)
+
+
+def how_label(r: pd.Series) -> str:
+    """'measured', 'composed', or 'composed ⚠' for a composed row whose trace is not steady."""
+    return f"{COMPOSED} {FLAG}" if unsteady(r) else str(r["how"])
+
+
+def _time_cell(r: pd.Series) -> str:
+    if not r["reached"]:
+        return f"not reached (best {r['best_val_loss']:.3f})"
+    partial = "" if r["reached"] == r["runs"] else f" ({r['reached']}/{r['runs']} reached)"
+    return spread_cell(r, "time_to_target_s", _seconds, _half) + partial
+
+
+def _row(r: pd.Series) -> list[str]:
+    return [
+        how_label(r),
+        r["variant"],
+        str(r["runs"]),
+        str(r["steps"]),
+        _time_cell(r),
+        _ratio(r, "speedup", times, _half),
+        spread_cell(r, "tokens_per_s", count, count),
+        _ratio(r, "utilisation", percent, half_percent),
+        spread_cell(r, "wire_bytes_per_token", lambda v: f"{v:,.1f}", lambda v: f"{v:,.1f}"),
+        spread_cell(r, "final_val_loss", lambda v: f"{v:.3f}", lambda v: f"{v:.3f}"),
+        _ratio(r, "loss_vs_allreduce", change, half_percent),
+    ]
+
+
+def target_line(comparison: Comparison) -> str:
+    target = comparison.target_loss
+    if comparison.target_source == "given":
+        return f"Target validation loss: {target:.4g} (--target-loss)."
+    return (
+        f"Target validation loss: {target:.4g} ({BASELINE}'s final validation loss {target / TARGET_FACTOR:.4g}, the "
+        f"mean over its full runs, x {TARGET_FACTOR})."
+    )
+
+
+def settings_notes(comparison: Comparison) -> list[str]:
+    """The steps and per-method settings every reading of the table needs (always printed)."""
+    record = comparison.spec.record()
+    steps = record["steps"]
+    same = len(set(steps.values())) == 1
+    lines = [
+        f"Steps: {next(iter(steps.values()))} for every method (the same applied tokens)."
+        if same
+        else "Steps per method (--method-steps): " + ", ".join(f"{m} {s}" for m, s in steps.items()) + "."
+    ]
+    fixed = [f"{m}: " + ", ".join(f"{k}={v}" for k, v in o.items()) for m, o in record["per_method"].items()]
+    lines.append("Per-method settings (--set METHOD.KEY=VALUE): " + ("; ".join(fixed) if fixed else "none") + ".")
+    lines.append("Synchronization: " + ", ".join(_cadence(m, c) for m, c in comparison.spec.cadences().items()) + ".")
+    shared = {k: v for k, v in record["settings"].items() if k != "steps"}
+    if shared:
+        lines.append("Shared settings: " + ", ".join(f"{k}={v}" for k, v in shared.items()) + ".")
+    return lines
+
+
+def _cadence(method: str, cadence: Cadence) -> str:
+    """'dilocox every 10 steps at first (it adapts H)': the rounds its config declares."""
+    if cadence.every_steps == 1:
+        return f"{method} every step"
+    return f"{method} every {cadence.every_steps} steps" + (" at first (it adapts H)" if cadence.adaptive else "")
+
+
+def composition_notes(comparison: Comparison) -> list[str]:
+    """How the composed rows were made, and which of their traces are not to be trusted."""
+    record = comparison.spec.record()
+    if not record["composed"]:
+        return []
+    sources = ", ".join(f"{p} from its {t} runs" for p, t in record["trajectories"].items())
+    lengths = ", ".join(f"{m} {s}" for m, s in record["trace_steps"].items())
+    lines = [
+        f"{COMPOSED} (an estimate, not a measurement): the validation-loss trajectory of a full run ({sources}; the "
+        "per-step losses do not depend on the link) composed with the step times of a short trace run on the "
+        f"profile ({lengths} steps, in {TRACES_DIR}/): its own steps up to the first round boundary after warm-up, "
+        f"then its steady-state mean step time over whole synchronization rounds (at least {MIN_ROUNDS} rounds and "
+        f"{MIN_STEADY_STEPS} steps; {FLAG}: the trace's two halves differ by more than {STEADY_TOLERANCE:.0%}, or it "
+        "is too short). Composed tokens/s is tokens per step over that mean."
+    ]
+    for _, r in comparison.rows.iterrows():
+        if unsteady(r):
+            lines.append(
+                f"{FLAG} {r['variant']} on {r['profile']} ({COMPOSED}): trace not steady: {r['trace_problems']}."
+            )
+    adaptive = [m for m, c in comparison.spec.cadences().items() if c.adaptive]
+    if adaptive:
+        lines.append(
+            f"{', '.join(adaptive)} {'adapts its' if len(adaptive) == 1 else 'adapt their'} rounds during a run: the "
+            f"trace holds the first rounds, which send the most bytes per step, so the {COMPOSED} time is likely an "
+            "overestimate."
+        )
+    return lines
+
+
+def _profile_notes(group: pd.DataFrame) -> list[str]:
+    notes = []
+    if not (group["method"] == CEILING).any():
+        notes.append(f"utilisation: n/a ({CEILING} did not run; add it to --methods).")
+    if not (group["method"] == BASELINE).any():
+        notes.append(f"speed-up and loss gap: n/a (no {BASELINE} in --methods).")
+    return notes
+
+
+def validation_table(comparison: Comparison) -> str:
+    """Composed vs measured time to target, where a profile is both (empty otherwise)."""
+    table = comparison.validation
+    if table.empty:
+        return ""
+    rows = [
+        [
+            r["profile"], r["variant"], str(int(r["measured_s_n"])), spread_cell(r, "measured_s", _seconds, _half),
+            spread_cell(r, "composed_s", _seconds, _half),
+            _ratio(r, "composed_over_measured", lambda v: f"{v:.3f}x", lambda v: f"{v:.2g}"),
+        ]
+        for _, r in table.iterrows()
+    ]  # fmt: skip
+    header = ["profile", "method", "n", "measured time to target", f"{COMPOSED} time to target", "composed / measured"]
+    worst = table["composed_over_measured"].dropna()
+    line = ""
+    if len(worst):
+        far = worst.loc[(worst - 1).abs().idxmax()]
+        line = f"\n\nLargest deviation of {COMPOSED} from measured: {100 * (far - 1):+.1f}%."
+    return f"{COMPOSED.capitalize()} vs measured time to target:\n\n" + markdown_table(header, rows, 2) + line
+
+
+def compare_markdown(comparison: Comparison, command: str | None = None) -> str:
+    parts = ["# harness compare\n"]
+    if command:
+        parts.append(f"Command: `{command}`\n")
+    parts.append(" ".join([target_line(comparison), *settings_notes(comparison)]) + "\n")
+    parts.append(LEGEND + "\n")
+    for profile, group in comparison.rows.groupby("profile", sort=False):
+        hows = " and ".join(dict.fromkeys(group["how"]))
+        text = f"## {profile} ({hows})\n\n" + markdown_table(HEADER, [_row(r) for _, r in group.iterrows()], 2)
+        notes = _profile_notes(group)
+        parts.append(text + ("\n\n" + " ".join(notes) if notes else "") + "\n")
+    validation = validation_table(comparison)
+    if validation:
+        parts.append(validation + "\n")
+    notes = composition_notes(comparison)
+    if comparison.failed:
+        notes.append(f"{len(comparison.failed)} run(s) left out: " + "; ".join(comparison.failed))
+    if notes:
+        parts.append("\n".join(f"- {n}" for n in notes) + "\n")
+    return "\n".join(parts)
+
+
+def summary_lines(comparison: Comparison) -> list[str]:
+    """One line per profile, how and method: its time to target and speed-up, labelled measured or composed."""
+    lines = []
+    for _, r in comparison.rows.iterrows():
+        label = "composed estimate" if r["how"] == COMPOSED else MEASURED
+        flag = f" {FLAG} trace not steady" if unsteady(r) else ""
+        head = f"{r['profile']} ({label}{flag}): {r['variant']}"
+        if not r["reached"]:
+            lines.append(f"{head} did not reach {comparison.target_loss:.4g} (best {r['best_val_loss']:.3f})")
+            continue
+        line = f"{head} reached {comparison.target_loss:.4g} in {_time_cell(r)}"
+        if r["speedup_pairing"] not in ("", "reference") and not blank(r["speedup"]):
+            line += f", speed-up over allreduce {_ratio(r, 'speedup', times, _half)}"
+        lines.append(line)
+    for _, r in comparison.validation.iterrows():
+        lines.append(
+            f"{r['profile']}: {r['variant']} {COMPOSED} {_seconds(r['composed_s'])} vs measured "
+            f"{_seconds(r['measured_s'])}: {COMPOSED} / measured = "
+            f"{_ratio(r, 'composed_over_measured', lambda v: f'{v:.3f}x', _half)}"
+        )
+    return lines
+
+
+def _records(table: pd.DataFrame) -> list[dict[str, Any]]:
+    """JSON-ready rows: NaN as null."""
+    return json.loads(table.to_json(orient="records")) if not table.empty else []
+
+
+def write_outputs(comparison: Comparison, out: Path, command: str | None) -> list[Path]:
+    """compare.json, compare.md, compare.csv and figures/ in `out`."""
+    from harness.analysis.report.compare_figures import write_figures
+
+    rows = comparison.rows
+    document = {
+        "command": command,
+        "settings": comparison.spec.record(),
+        "target": {"loss": comparison.target_loss, "source": comparison.target_source, "factor": TARGET_FACTOR},
+        "profiles": [
+            {"profile": profile, "rows": _records(group.assign(how_label=group.apply(how_label, axis=1)))}
+            for profile, group in rows.groupby("profile", sort=False)
+        ],
+        "validation": _records(comparison.validation),
+        "notes": composition_notes(comparison),
+        "failed": list(comparison.failed),
+    }
+    paths = [out / "compare.json", out / "compare.md", out / "compare.csv"]
+    paths[0].write_text(json.dumps(document, indent=2, default=str) + "\n")
+    paths[1].write_text(compare_markdown(comparison, command))
+    rows.assign(how_label=rows.apply(how_label, axis=1)).to_csv(paths[2], index=False)
+    return [*paths, *write_figures(comparison, out / "figures")]

@@ -1,0 +1,160 @@
+"""`harness compare` run (harness/analysis/experiments/compare.py): the refusals before anything runs, a compare
+through the CLI on fake runs, one real compare, and the fact the composition rests on: the same seed gives the same
+per-step losses on two different links."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from harness import cli
+from harness.analysis.experiments.compare import run_compare
+from harness.analysis.experiments.sweep import run_sweep
+from harness.analysis.plan import Combination, CompareError, SweepError, SweepSpec, parse_method_steps
+from harness.analysis.report.tables import load_runs
+from harness.analysis.report.time_to_target import MEASURED
+from harness.run import runner
+from harness.userns import user_namespaces_work
+from tests.harness.analysis.comparing import fake_run, spec_of
+from tests.harness.refusal import assert_refused
+
+CAN_RUN = os.geteuid() == 0 or user_namespaces_work()
+
+
+# --- refusals ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "expect"),
+    [
+        (spec_of(methods=("allreduce", "nosuch")), "unknown method(s) nosuch"),
+        (spec_of(profiles=("nosuch",)), "unknown profile 'nosuch'"),
+        (spec_of(composed=("nosuch",)), "unknown profile 'nosuch'"),
+        (spec_of(methods=("opendiloco",)), "--methods lacks allreduce"),
+        (spec_of(method_steps={"dilocox": 10}), "--method-steps names dilocox"),
+        (spec_of(target_loss=-1.0), "--target-loss must be a positive"),
+        (spec_of(profiles=()), "name at least one link"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_exists(spec, expect, tmp_path):
+    with pytest.raises((CompareError, SweepError)) as refused:
+        spec.validate()
+    assert expect in str(refused.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_method_steps_must_name_a_positive_count():
+    assert parse_method_steps(["dilocox=240"]) == {"dilocox": 240}
+    for bad in ("dilocox", "dilocox=0", "=5", "dilocox=x"):
+        with pytest.raises(CompareError, match="must look like METHOD=STEPS"):
+            parse_method_steps([bad])
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--methods", "allreduce,nosuch", "--profile", "1gbps"], "unknown method(s) nosuch"),
+        (["--methods", "allreduce", "--profile", "nosuch"], "unknown profile 'nosuch'"),
+        (["--methods", "opendiloco", "--profile", "1gbps"], "--methods lacks allreduce"),
+        (["--methods", "allreduce", "--profile", "1gbps", "--method-steps", "allreduce=0"], "METHOD=STEPS"),
+    ],
+)
+def test_the_cli_refuses_in_one_sentence(args, expect, harness_cli, tmp_path):
+    result, before, after = harness_cli(["compare", *args, "--out", str(tmp_path / "cmp")])
+    assert_refused(result, before, after, [expect])
+
+
+# --- through the CLI -----------------------------------------------------------------------------------------------
+
+
+def test_a_compare_runs_both_sweeps_resumes_and_leaves_a_folder_report_reads(tmp_path, monkeypatch):
+    calls: list[str] = []
+
+    def run(config, out, on_progress=None):
+        calls.append(f"{out.parent.parent.name}/{out.name}")
+        combo = Combination(config.method, config.profile.name, config.train.seed)
+        assert combo.name == out.name
+        fake_run(out.parent, combo, config.train.steps, 10.0 if config.profile.name == "100mbps" else 1.0)
+        return json.loads((out / "summary.json").read_text())
+
+    monkeypatch.setattr(runner, "run", run)
+    args = ["compare", "--methods", "allreduce,opendiloco", "--profile", "1gbps", "--composed", "100mbps",
+            "--seeds", "0", "--steps", "40", "--set", "opendiloco.local_steps=10",
+            "--out", str(tmp_path)]  # fmt: skip
+    shown = CliRunner().invoke(cli.main, args)
+    assert shown.exit_code == 0, shown.output
+    assert calls == [f"{tmp_path.name}/allreduce-1gbps-s0", f"{tmp_path.name}/opendiloco-1gbps-s0",
+                     f"{tmp_path.name}/allreduce-unshaped-s0", f"{tmp_path.name}/opendiloco-unshaped-s0",
+                     "traces/allreduce-100mbps-s0", "traces/opendiloco-100mbps-s0"]  # fmt: skip
+    assert "| composed | allreduce" in shown.output and "opendiloco: local_steps=10" in shown.output
+    assert {p.name for p in tmp_path.iterdir()} >= {"compare.json", "compare.md", "compare.csv", "figures", "traces"}
+    again = CliRunner().invoke(cli.main, args)
+    assert again.exit_code == 0 and len(calls) == 6  # resumed: nothing ran again
+    report = CliRunner().invoke(cli.main, ["report", str(tmp_path)])
+    assert report.exit_code == 0 and "| allreduce" in report.output
+
+
+# --- real runs -----------------------------------------------------------------------------------------------------
+
+TINY = {"model": "tiny", "batch_size": 2, "seq_len": 32, "throughput_warmup_steps": 2}
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not CAN_RUN, reason="needs root or user namespaces for network namespaces")
+def test_the_same_seed_gives_the_same_per_step_losses_on_two_links(tmp_path):
+    spec = SweepSpec(("allreduce",), ("unshaped", "100mbps"), (0,), settings={**TINY, "steps": 6, "eval_every": 3})
+    rows = run_sweep(spec, tmp_path)
+    assert [r.status for r in rows] == ["ok", "ok"]
+    events = load_runs([tmp_path]).events
+    steps = events[events["kind"] == "step"].sort_values(["rank", "step"])
+    fast, slow = (steps[steps["profile"] == p] for p in ("unshaped", "100mbps"))
+    assert len(fast) == 12 and fast["loss"].tolist() == slow["loss"].tolist()
+    # The links differed: the shaped one took longer per step.
+    assert slow["step_s"].sum() > fast["step_s"].sum()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not CAN_RUN, reason="needs root or user namespaces for network namespaces")
+def test_a_real_compare_through_the_cli(tmp_path):
+    out = tmp_path / "cmp"
+    args = ["compare", "--methods", "allreduce,local", "--profile", "unshaped", "--seeds", "0", "--model", "tiny",
+            "--steps", "8", "--batch-size", "2", "--seq-len", "32", "--eval-every", "4",
+            "--throughput-warmup-steps", "2", "--out", str(out)]  # fmt: skip
+    shown = CliRunner().invoke(cli.main, args)
+    assert shown.exit_code == 0, shown.output
+    document = json.loads((out / "compare.json").read_text())
+    rows = document["profiles"][0]["rows"]
+    assert [(r["method"], r["how"]) for r in rows] == [("allreduce", MEASURED), ("local", MEASURED)]
+    assert rows[0]["speedup_pairing"] == "reference" and rows[1]["utilisation_pairing"] == "reference"
+    assert "Target validation loss" in (out / "compare.md").read_text()
+
+
+def test_progress_counts_the_comparisons_runs_across_its_seeds_and_sweeps(tmp_path, monkeypatch):
+    """Each seed's sweep counted only its own runs: four runs read "run 1/2, run 2/2" twice."""
+
+    def run(config, out, on_progress=None):
+        fake_run(out.parent, Combination(config.method, config.profile.name, config.train.seed), config.train.steps)
+        return json.loads((out / "summary.json").read_text())
+
+    class Positions:
+        def __init__(self):
+            self.seen = []
+
+        def started(self, combo, position, total):
+            self.seen.append((position, total))
+
+        def progress(self, state):
+            pass
+
+        def finished(self, row):
+            pass
+
+    monkeypatch.setattr(runner, "run", run)
+    spec = spec_of(seeds=(0, 1), composed=("100mbps",))
+    positions = Positions()
+    run_compare(spec, tmp_path, observer=positions)
+    # Per seed: 2 methods on 1gbps and on the unshaped link (the composed profile's trajectory), then 2 traces.
+    assert positions.seen == [(n, 12) for n in range(1, 13)]

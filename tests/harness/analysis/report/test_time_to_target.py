@@ -1,0 +1,120 @@
+"""`harness compare`'s finding read from a compare folder (harness/analysis/report/time_to_target.py) and written
+(harness/analysis/report/compare.py, compare_figures.py): time to target and its speed-up, the composed estimate's
+label wherever it appears, composed beside measured; on fake runs."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from harness.analysis.plan import CompareError
+from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
+from harness.analysis.report.compare_figures import target_loss_figure
+from harness.analysis.report.time_to_target import COMPOSED, MEASURED, analyse
+from tests.harness.analysis.comparing import SPEED, fake_compare, fake_run, row, spec_of
+
+# --- time to target, speed-up, loss gap ----------------------------------------------------------------------------
+
+
+def test_time_to_target_and_its_speed_up_are_paired_per_seed(tmp_path):
+    spec = spec_of()
+    fake_compare(tmp_path, spec)
+    result = analyse(spec, tmp_path)
+    # AllReduce's final loss is 3.7 on every seed: the default target is 3.7 x 1.05.
+    assert result.target_loss == pytest.approx(3.885) and result.target_source == "allreduce"
+    ar, dl = row(result.rows, "allreduce"), row(result.rows, "opendiloco")
+    # AllReduce reaches it at the fourth of five evaluations (30 of 40 steps, 2 x 128 x 8 tokens a step), opendiloco
+    # at the fifth: 4x the tokens/s, 4/3 the steps.
+    seconds = [30 * 2048 / (SPEED["allreduce"] * (1 + 0.05 * s)) for s in (0, 1, 2)]
+    assert ar["time_to_target_s"] == pytest.approx(sum(seconds) / 3, rel=1e-3)
+    assert (ar["time_to_target_s_n"], ar["reached"], ar["runs"]) == (3, 3, 3)
+    assert ar["time_to_target_s_low"] < ar["time_to_target_s"] < ar["time_to_target_s_high"]
+    assert dl["speedup"] == pytest.approx(3.0, rel=1e-3) and dl["speedup_pairing"] == "paired"
+    assert ar["speedup_pairing"] == "reference"
+    assert dl["loss_vs_allreduce"] == pytest.approx(3.85 / 3.7)
+    assert ar["utilisation_pairing"] == "" and "utilisation: n/a (local did not run" in compare_markdown(result)
+
+
+def test_the_loss_gap_is_taken_at_the_tokens_both_reached(tmp_path):
+    spec = spec_of(seeds=(0,), method_steps={"opendiloco": 80})
+    for combo in spec.full_sweep().combinations():
+        fake_run(tmp_path / "runs", combo, 80 if combo.method == "opendiloco" else 40)
+    result = analyse(spec, tmp_path)
+    dl = row(result.rows, "opendiloco")
+    # At allreduce's 40 steps opendiloco had evaluated at step 40 (its third evaluation, loss 4.1).
+    assert dl["loss_vs_allreduce"] == pytest.approx(4.1 / 3.7) and dl["steps"] == 80
+    assert "Steps per method (--method-steps): allreduce 40, opendiloco 80." in compare_markdown(result)
+
+
+def test_a_target_no_method_reaches_names_the_closest(tmp_path):
+    spec = spec_of(target_loss=2.0)
+    fake_compare(tmp_path, spec)
+    with pytest.raises(CompareError, match=r"closest was allreduce .*best validation loss of 3.7; the runs are kept"):
+        analyse(spec, tmp_path)
+
+
+def test_without_allreduce_a_given_target_compares_without_speed_ups(tmp_path):
+    spec = spec_of(methods=("opendiloco", "local"), target_loss=4.5)
+    fake_compare(tmp_path, spec)
+    result = analyse(spec, tmp_path)
+    dl = row(result.rows, "opendiloco")
+    assert dl["speedup_pairing"] == "" and dl["utilisation"] == pytest.approx(0.5)
+    text = compare_markdown(result)
+    assert "Target validation loss: 4.5 (--target-loss)." in text and "speed-up and loss gap: n/a" in text
+
+
+def test_composed_rows_carry_their_label_everywhere(tmp_path):
+    spec = spec_of(composed=("100mbps",))
+    fake_compare(tmp_path, spec, slower={"100mbps": 10.0})
+    result = analyse(spec, tmp_path)
+    composed = row(result.rows, "opendiloco", "100mbps", COMPOSED)
+    # The trajectory of the unshaped runs, the step time of the 100mbps traces (ten times slower).
+    assert composed["time_to_target_s"] == pytest.approx(10 * row(result.rows, "opendiloco")["time_to_target_s"])
+    assert composed["speedup"] == pytest.approx(3.0, rel=1e-3) and composed["trace_problems"] == ""
+    assert set(result.rows["profile"]) == {"1gbps", "100mbps"}  # the unshaped trajectories are not a row
+    text = compare_markdown(result)
+    assert "| composed | opendiloco" in text and "an estimate, not a measurement" in text
+    lines = summary_lines(result)
+    assert [line for line in lines if line.startswith("100mbps")] and all(
+        "composed estimate" in line for line in lines if line.startswith("100mbps")
+    )
+    write_outputs(result, tmp_path, "harness compare ...")
+    table = pd.read_csv(tmp_path / "compare.csv")
+    assert set(table[table["profile"] == "100mbps"]["how"]) == {COMPOSED}
+    document = json.loads((tmp_path / "compare.json").read_text())
+    hows = {(p["profile"], r["how"]) for p in document["profiles"] for r in p["rows"]}
+    assert hows == {("1gbps", MEASURED), ("100mbps", COMPOSED)}
+    assert (tmp_path / "figures" / "compare-100mbps-composed.png").is_file()
+    figure = target_loss_figure(result.curves[result.curves["profile"] == "100mbps"], "100mbps", COMPOSED, 3.9, {
+        v: "C0" for v in result.rows["variant"]})  # fmt: skip
+    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts() if not t.get_text().startswith("target")]
+    assert labels and all("composed" in label for label in labels)
+
+
+def test_an_unsteady_trace_is_flagged_not_hidden(tmp_path):
+    spec = spec_of(composed=("100mbps",), seeds=(0,))
+    fake_compare(tmp_path, spec)
+    trace = next(tmp_path.glob("traces/runs/allreduce-100mbps-s0/events/rank0.jsonl"))
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    for event in events:  # the second half of the trace's steps take 50% longer
+        if event["kind"] != "start" and event.get("step", 0) > 15:
+            event["t"] += 0.5 * 2.048 * (event["step"] - 15)
+    trace.write_text("".join(json.dumps(e) + "\n" for e in events))
+    result = analyse(spec, tmp_path)
+    composed = row(result.rows, "allreduce", "100mbps", COMPOSED)
+    assert "more than 10%" in composed["trace_problems"]
+    assert "| composed ⚠ | allreduce" in compare_markdown(result)
+    assert any(line.startswith("100mbps (composed estimate ⚠ trace not steady)") for line in summary_lines(result))
+
+
+def test_a_profile_measured_and_composed_sets_the_two_side_by_side(tmp_path):
+    spec = spec_of(profiles=("100mbps",), composed=("100mbps",))
+    fake_compare(tmp_path, spec)
+    result = analyse(spec, tmp_path)
+    check = result.validation
+    assert list(check["method"]) == ["allreduce", "opendiloco"]
+    assert check["composed_over_measured"].tolist() == pytest.approx([1.0, 1.0], rel=1e-3)
+    assert "Composed vs measured time to target" in compare_markdown(result)
+    assert any("composed / measured = 1.000x" in line for line in summary_lines(result))
