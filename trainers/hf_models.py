@@ -84,8 +84,13 @@ def load_config(name: str) -> HFModelConfig:
         raise ValueError(f"model config {str(config_path)!r} is not readable JSON ({err}); fix or replace it") from None
     if not isinstance(fields, dict) or "model_type" not in fields:
         raise ValueError(f"model config {str(config_path)!r} has no model_type; save it with config.save_pretrained")
-    from transformers import AutoConfig
-
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError(
+            f"model {name!r} is a transformers config, and transformers is not installed; install the harness's "
+            "hf extra (pip install -e '.[hf]') or use a built-in model such as tiny"
+        ) from None
     _quiet_transformers()
     try:
         # Fills the defaults a saved config may leave out (OPT's word_embed_proj_dim, Qwen2's rope settings).

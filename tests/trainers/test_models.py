@@ -137,3 +137,13 @@ def test_a_worker_and_the_shapes_of_every_model_start_without_torch_dynamo():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_a_transformers_config_without_transformers_is_refused_naming_the_extra(tmp_path, monkeypatch):
+    """It ended in an ImportError traceback."""
+    from trainers.hf_models import load_config
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets where it is absent
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_positions": 128}')
+    with pytest.raises(ValueError, match=r"transformers is not installed; install the harness's hf extra"):
+        load_config(str(tmp_path))
