@@ -28,6 +28,7 @@ from harness.analysis.report.markdown import (
     spread_cell,
     times,
 )
+from harness.analysis.report.target_curve import speedup_curve, speedup_curve_figures
 from harness.analysis.report.time_to_target import COMPOSED, MEASURED, Comparison
 
 FLAG = "⚠"
@@ -164,8 +165,21 @@ def composition_notes(comparison: Comparison) -> list[str]:
     return lines
 
 
+def control_note(group: pd.DataFrame) -> str | None:
+    """The flag for a target that `local`, which never communicates, reaches: a speed-up to it says nothing about
+    communication. None where local did not run or reached it on no seed."""
+    control = group[(group["method"] == CEILING) & (group["reached"] > 0)]
+    if control.empty:
+        return None
+    r = control.iloc[0]
+    return (
+        f"{FLAG} {CEILING} reaches the target ({r['reached']} of {r['runs']} seeds, {r['how']}) without ever "
+        "communicating: this target does not measure communication; pass a lower --target-loss or more --steps."
+    )
+
+
 def _profile_notes(group: pd.DataFrame) -> list[str]:
-    notes = []
+    notes = [note] if (note := control_note(group)) else []
     if not (group["method"] == CEILING).any():
         notes.append(f"utilisation: n/a ({CEILING} did not run; add it to --methods).")
     if not (group["method"] == BASELINE).any():
@@ -210,6 +224,10 @@ def compare_markdown(comparison: Comparison, command: str | None = None) -> str:
     if validation:
         parts.append(validation + "\n")
     notes = composition_notes(comparison)
+    notes.append(
+        "The speed-up at other targets, from AllReduce's loss at a quarter of its tokens down to its final loss: "
+        "speedup_vs_target.csv and figures/speedup-vs-target-*.png (harness/analysis/report/target_curve.py)."
+    )
     if comparison.failed:
         notes.append(f"{len(comparison.failed)} run(s) left out: " + "; ".join(comparison.failed))
     if notes:
@@ -231,6 +249,9 @@ def summary_lines(comparison: Comparison) -> list[str]:
         if r["speedup_pairing"] not in ("", "reference") and not blank(r["speedup"]):
             line += f", speed-up over allreduce {_ratio(r, 'speedup', times, _half)}"
         lines.append(line)
+    for profile, group in comparison.rows.groupby("profile", sort=False):
+        if note := control_note(group):
+            lines.append(f"{profile}: {note}")
     for _, r in comparison.validation.iterrows():
         lines.append(
             f"{r['profile']}: {r['variant']} {COMPOSED} {_seconds(r['composed_s'])} vs measured "
@@ -253,7 +274,13 @@ def write_outputs(comparison: Comparison, out: Path, command: str | None) -> lis
     document = {
         "command": command,
         "settings": comparison.spec.record(),
-        "target": {"loss": comparison.target_loss, "source": comparison.target_source, "factor": TARGET_FACTOR},
+        "target": {
+            "loss": comparison.target_loss,
+            "source": comparison.target_source,
+            "factor": TARGET_FACTOR,
+            # Profiles where local, which never communicates, reaches the target (control_note).
+            "reached_by_control": [p for p, group in rows.groupby("profile", sort=False) if control_note(group)],
+        },
         "profiles": [
             {"profile": profile, "rows": _records(group.assign(how_label=group.apply(how_label, axis=1)))}
             for profile, group in rows.groupby("profile", sort=False)
@@ -262,8 +289,11 @@ def write_outputs(comparison: Comparison, out: Path, command: str | None) -> lis
         "notes": composition_notes(comparison),
         "failed": list(comparison.failed),
     }
-    paths = [out / "compare.json", out / "compare.md", out / "compare.csv"]
+    paths = [out / "compare.json", out / "compare.md", out / "compare.csv", out / "speedup_vs_target.csv"]
     paths[0].write_text(json.dumps(document, indent=2, default=str) + "\n")
     paths[1].write_text(compare_markdown(comparison, command))
     rows.assign(how_label=rows.apply(how_label, axis=1)).to_csv(paths[2], index=False)
-    return [*paths, *write_figures(comparison, out / "figures")]
+    curve = speedup_curve(comparison)
+    curve.to_csv(paths[3], index=False)
+    figures = out / "figures"
+    return [*paths, *write_figures(comparison, figures), *speedup_curve_figures(curve, comparison.target_loss, figures)]

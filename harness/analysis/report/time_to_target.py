@@ -188,7 +188,8 @@ def _target(spec: CompareSpec, full: _Loaded) -> tuple[float, str]:
     return target, BASELINE
 
 
-def _at_tokens(curve: pd.DataFrame, tokens: float) -> float:
+def loss_at_tokens(curve: pd.DataFrame, tokens: float) -> float:
+    """The validation loss at `tokens`, interpolated between the evaluations around it."""
     return float(np.interp(tokens, curve["tokens"].astype(float), curve["val_loss"].astype(float)))
 
 
@@ -200,8 +201,8 @@ def _equal_token_losses(mine: pd.DataFrame, reference: pd.DataFrame) -> tuple[pd
         if curve.empty or theirs.empty:
             continue
         tokens = min(curve["tokens"].max(), theirs["tokens"].max())
-        rows_mine.append({"seed": seed, "loss_at_equal_tokens": _at_tokens(curve, tokens)})
-        rows_ref.append({"seed": seed, "loss_at_equal_tokens": _at_tokens(theirs, tokens)})
+        rows_mine.append({"seed": seed, "loss_at_equal_tokens": loss_at_tokens(curve, tokens)})
+        rows_ref.append({"seed": seed, "loss_at_equal_tokens": loss_at_tokens(theirs, tokens)})
     columns = ["seed", "loss_at_equal_tokens"]
     return pd.DataFrame(rows_mine, columns=columns), pd.DataFrame(rows_ref, columns=columns)
 

@@ -118,3 +118,25 @@ def test_a_profile_measured_and_composed_sets_the_two_side_by_side(tmp_path):
     assert check["composed_over_measured"].tolist() == pytest.approx([1.0, 1.0], rel=1e-3)
     assert "Composed vs measured time to target" in compare_markdown(result)
     assert any("composed / measured = 1.000x" in line for line in summary_lines(result))
+
+
+# --- the control ---------------------------------------------------------------------------------------------------
+
+
+def test_a_target_local_reaches_is_flagged_in_the_table_the_summary_and_compare_json(tmp_path):
+    """local never communicates: a target it reaches (here 4.75; its losses fall to 4.6) says nothing about
+    communication. At the default target (3.885) it does not reach, and nothing is flagged."""
+    spec = spec_of(methods=("allreduce", "opendiloco", "local"), seeds=(0, 1))
+    fake_compare(tmp_path, spec)
+    flag = "local reaches the target (2 of 2 seeds, measured) without ever communicating"
+    default = analyse(spec, tmp_path)
+    assert row(default.rows, "local")["reached"] == 0
+    assert flag not in compare_markdown(default) and not any(flag in line for line in summary_lines(default))
+    reachable = analyse(spec_of(methods=("allreduce", "opendiloco", "local"), seeds=(0, 1), target_loss=4.75), tmp_path)
+    assert row(reachable.rows, "local")["reached"] == 2
+    assert flag in compare_markdown(reachable)
+    assert f"1gbps: ⚠ {flag}: this target does not measure communication" in "\n".join(summary_lines(reachable))
+    write_outputs(reachable, tmp_path, None)
+    assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == ["1gbps"]
+    write_outputs(default, tmp_path, None)
+    assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == []
