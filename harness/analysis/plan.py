@@ -298,6 +298,12 @@ def parse_method_steps(specs: Sequence[str]) -> dict[str, int]:
     return steps
 
 
+def with_control(methods: Sequence[str]) -> tuple[str, ...]:
+    """`methods` with CEILING (local) last where it is missing: trained the same way with no communication, it is the
+    compute floor and the check that a target measures communication (a target it reaches does not)."""
+    return tuple(methods) if CEILING in methods else (*methods, CEILING)
+
+
 @dataclass(frozen=True)
 class CompareSpec:
     """What `harness compare` runs: methods x profiles x seeds, measured and composed (module doc)."""

@@ -59,9 +59,16 @@ def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
 )
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Compare folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished runs.")
+@click.option(
+    "--control/--no-control",
+    default=True,
+    show_default=True,
+    help="Run local beside the methods when --methods leaves it out: the same training with no communication, the "
+    "compute floor; a target it reaches is flagged as one that does not measure communication.",
+)
 @cluster_options
 @train_options(seed=False)
-def compare(methods, profiles, composed, seeds, assignments, method_steps, target_loss, out, force, **flags):
+def compare(methods, profiles, composed, seeds, assignments, method_steps, target_loss, out, force, control, **flags):
     """Run methods side by side on shaped links and compare their time to a target loss with AllReduce's.
 
     Every method trains the same model on the same data with the same seeds to the same steps (so the same applied
@@ -79,13 +86,13 @@ def compare(methods, profiles, composed, seeds, assignments, method_steps, targe
     """
     from harness.analysis.experiments.compare import run_compare, validate_compare
     from harness.analysis.experiments.sweep import SweepInterrupted
-    from harness.analysis.plan import CompareSpec, fixed_settings, parse_method_steps
+    from harness.analysis.plan import CompareSpec, fixed_settings, parse_method_steps, with_control
     from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
     from harness.run.settings import parse_assignments
 
     settings, per_method = fixed_settings(parse_assignments(assignments), "a comparison")
     spec = CompareSpec(
-        methods=csv_list(methods, option="--methods"),
+        methods=(with_control if control else tuple)(csv_list(methods, option="--methods")),
         profiles=_profiles(profiles, "--profile"),
         composed=_profiles(composed, "--composed"),
         seeds=csv_list(seeds, int, "--seeds"),
@@ -111,8 +118,7 @@ def compare(methods, profiles, composed, seeds, assignments, method_steps, targe
     click.echo(compare_markdown(result, command))
     for line in summary_lines(result):
         print_text(line)
-    print_text(
-        f"wrote {', '.join(p.name for p in written[:3])} in {out}, and {len(written) - 3} figures in {out}/figures"
-    )
+    files = [p.name for p in written if p.parent == out]
+    print_text(f"wrote {', '.join(files)} in {out}, and {len(written) - len(files)} figures in {out}/figures")
     # The table stands on the runs that finished; a script must still see that some did not.
     sys.exit(1 if result.failed else 0)

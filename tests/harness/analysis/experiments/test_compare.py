@@ -82,7 +82,7 @@ def test_a_compare_runs_both_sweeps_resumes_and_leaves_a_folder_report_reads(tmp
 
     monkeypatch.setattr(runner, "run", run)
     args = ["compare", "--methods", "allreduce,opendiloco", "--profile", "1gbps", "--composed", "100mbps",
-            "--seeds", "0", "--steps", "40", "--set", "opendiloco.local_steps=10",
+            "--seeds", "0", "--steps", "40", "--set", "opendiloco.local_steps=10", "--no-control",
             "--out", str(tmp_path)]  # fmt: skip
     shown = CliRunner().invoke(cli.main, args)
     assert shown.exit_code == 0, shown.output
@@ -158,3 +158,24 @@ def test_progress_counts_the_comparisons_runs_across_its_seeds_and_sweeps(tmp_pa
     run_compare(spec, tmp_path, observer=positions)
     # Per seed: 2 methods on 1gbps and on the unshaped link (the composed profile's trajectory), then 2 traces.
     assert positions.seen == [(n, 12) for n in range(1, 13)]
+
+
+def test_compare_runs_the_control_by_default_and_flags_a_target_it_reaches(tmp_path, monkeypatch):
+    """local, which never communicates, runs beside the methods unless --no-control: at --target-loss 4.75 it
+    reaches the target (its fake losses fall to 4.6), and the table and compare.json say the target does not
+    measure communication."""
+    calls: list[str] = []
+
+    def run(config, out, on_progress=None):
+        calls.append(out.name)
+        fake_run(out.parent, Combination(config.method, config.profile.name, config.train.seed), config.train.steps)
+        return json.loads((out / "summary.json").read_text())
+
+    monkeypatch.setattr(runner, "run", run)
+    args = ["compare", "--methods", "allreduce,opendiloco", "--profile", "1gbps", "--seeds", "0", "--steps", "40",
+            "--set", "opendiloco.local_steps=10", "--target-loss", "4.75", "--out", str(tmp_path)]  # fmt: skip
+    shown = CliRunner().invoke(cli.main, args)
+    assert shown.exit_code == 0, shown.output
+    assert calls == ["allreduce-1gbps-s0", "opendiloco-1gbps-s0", "local-1gbps-s0"]
+    assert "local reaches the target (1 of 1 seeds, measured) without ever communicating" in shown.output
+    assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == ["1gbps"]
