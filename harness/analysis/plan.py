@@ -304,6 +304,21 @@ def with_control(methods: Sequence[str]) -> tuple[str, ...]:
     return tuple(methods) if CEILING in methods else (*methods, CEILING)
 
 
+def parse_selected_on(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """'dilocox=3,4,5' -> {'dilocox': (3, 4, 5)}, for every --selected-on."""
+    chosen: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        method, equals, seeds = spec.partition("=")
+        try:
+            values = tuple(int(seed) for seed in seeds.split(","))
+        except ValueError:
+            values = ()
+        if not (equals and method.strip() and values):
+            raise CompareError(f"--selected-on {spec!r} must look like METHOD=SEEDS (dilocox=3,4,5)")
+        chosen[method.strip()] = values
+    return chosen
+
+
 @dataclass(frozen=True)
 class CompareSpec:
     """What `harness compare` runs: methods x profiles x seeds, measured and composed (module doc)."""
@@ -315,6 +330,8 @@ class CompareSpec:
     settings: Mapping[str, Any] = field(default_factory=dict)  # every run's (as a sweep's)
     per_method: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # --method-set
     method_steps: Mapping[str, int] = field(default_factory=dict)  # --method-steps
+    # --selected-on: the seeds on which each method's settings were chosen; its rows on those seeds are in-sample.
+    selected_on: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     target_loss: float | None = None
 
     def trajectory_of(self, profile: str) -> str:
@@ -381,6 +398,9 @@ class CompareSpec:
                 "a comparison measures what crosses the link between clusters, and --clusters 1 has none (every "
                 "method would run as local); use --clusters 2 or more"
             )
+        unknown = sorted(set(self.selected_on) - {method_of(m) for m in self.methods})
+        if unknown:
+            raise CompareError(f"--selected-on names {', '.join(unknown)}, which --methods does not run")
         strangers = sorted(set(self.method_steps) - set(self.methods))
         if strangers:
             raise CompareError(f"--method-steps names {', '.join(strangers)}, which --methods does not run")
@@ -406,4 +426,9 @@ class CompareSpec:
             "steps": {m: self.full_config(m).train.steps for m in self.methods},
             "trace_steps": self.trace_steps(),
             "target_loss": self.target_loss,
+            "selected_on": {m: list(seeds) for m, seeds in self.selected_on.items()},
         }
+
+    def in_sample_seeds(self, method: str, seeds: Sequence[int]) -> list[int]:
+        """Those of `seeds` that chose `method`'s settings (--selected-on): a row on them is in-sample."""
+        return sorted(set(seeds) & set(self.selected_on.get(method, ())))

@@ -60,6 +60,13 @@ def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Compare folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished runs.")
 @click.option(
+    "--selected-on",
+    multiple=True,
+    metavar="METHOD=SEEDS",
+    help="The seeds METHOD's settings were chosen on (repeatable), e.g. dilocox=3,4,5: recorded in compare.json, "
+    "and its rows on those seeds are labelled in-sample.",
+)
+@click.option(
     "--control/--no-control",
     default=True,
     show_default=True,
@@ -68,7 +75,20 @@ def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
 )
 @cluster_options
 @train_options(seed=False)
-def compare(methods, profiles, composed, seeds, assignments, method_steps, target_loss, out, force, control, **flags):
+def compare(
+    methods,
+    profiles,
+    composed,
+    seeds,
+    assignments,
+    method_steps,
+    target_loss,
+    out,
+    force,
+    control,
+    selected_on,
+    **flags,
+):
     """Run methods side by side on shaped links and compare their time to a target loss with AllReduce's.
 
     Every method trains the same model on the same data with the same seeds to the same steps (so the same applied
@@ -86,7 +106,7 @@ def compare(methods, profiles, composed, seeds, assignments, method_steps, targe
     """
     from harness.analysis.experiments.compare import run_compare, validate_compare
     from harness.analysis.experiments.sweep import SweepInterrupted
-    from harness.analysis.plan import CompareSpec, fixed_settings, parse_method_steps, with_control
+    from harness.analysis.plan import CompareSpec, fixed_settings, parse_method_steps, parse_selected_on, with_control
     from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
     from harness.run.settings import parse_assignments
 
@@ -100,6 +120,7 @@ def compare(methods, profiles, composed, seeds, assignments, method_steps, targe
         per_method=per_method,
         method_steps=parse_method_steps(method_steps),
         target_loss=target_loss,
+        selected_on=parse_selected_on(selected_on),
     )
     validate_compare(spec)
     print_warnings(spec.warnings())

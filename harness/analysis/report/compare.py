@@ -83,10 +83,15 @@ def _time_cell(r: pd.Series) -> str:
     return spread_cell(r, "time_to_target_s", _seconds, _half) + partial
 
 
+def variant_label(r: pd.Series) -> str:
+    """The variant, marked where it is reported on seeds that chose its settings (--selected-on)."""
+    return f"{r['variant']} (in-sample: seeds {r['in_sample_seeds']})" if r.get("in_sample_seeds") else r["variant"]
+
+
 def _row(r: pd.Series) -> list[str]:
     return [
         how_label(r),
-        r["variant"],
+        variant_label(r),
         str(r["runs"]),
         str(r["steps"]),
         _time_cell(r),
@@ -180,6 +185,11 @@ def control_note(group: pd.DataFrame) -> str | None:
 
 def _profile_notes(group: pd.DataFrame) -> list[str]:
     notes = [note] if (note := control_note(group)) else []
+    if group["in_sample_seeds"].astype(bool).any():
+        notes.append(
+            "in-sample: reported on seeds its settings were chosen on (--selected-on), so its figures favour it; "
+            "read the rows on other seeds."
+        )
     if not (group["method"] == CEILING).any():
         notes.append(f"utilisation: n/a ({CEILING} did not run; add it to --methods).")
     if not (group["method"] == BASELINE).any():
@@ -241,7 +251,7 @@ def summary_lines(comparison: Comparison) -> list[str]:
     for _, r in comparison.rows.iterrows():
         label = "composed estimate" if r["how"] == COMPOSED else MEASURED
         flag = f" {FLAG} trace not steady" if unsteady(r) else ""
-        head = f"{r['profile']} ({label}{flag}): {r['variant']}"
+        head = f"{r['profile']} ({label}{flag}): {variant_label(r)}"
         if not r["reached"]:
             lines.append(f"{head} did not reach {comparison.target_loss:.4g} (best {r['best_val_loss']:.3f})")
             continue

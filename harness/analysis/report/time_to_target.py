@@ -218,13 +218,14 @@ def _against(name: str, mine: pd.DataFrame, reference: pd.DataFrame, column: str
     return {**spread_columns(name, value), f"{name}_pairing": how}
 
 
-def _variant_row(runs: pd.DataFrame, group: pd.DataFrame, curves: pd.DataFrame) -> dict[str, Any]:
+def _variant_row(spec: CompareSpec, runs: pd.DataFrame, group: pd.DataFrame, curves: pd.DataFrame) -> dict[str, Any]:
     first = runs.iloc[0]
     variant, method = first["variant"], first["method"]
     ar = group[group["method"] == BASELINE]
     local = group[group["method"] == CEILING]
     row = {k: first[k] for k in ("profile", "how", "variant", "method")}
     row.update(steps=int(runs["steps"].max()), seeds=",".join(str(s) for s in sorted(runs["seed"])), runs=len(runs))
+    row["in_sample_seeds"] = ",".join(str(s) for s in spec.in_sample_seeds(method, [int(s) for s in runs["seed"]]))
     for figure in FIGURES:
         row.update(spread_columns(figure, spread(runs[figure])))
     row["reached"] = int(runs["time_to_target_s"].notna().sum())
@@ -260,7 +261,7 @@ def _rows(spec: CompareSpec, runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Dat
     for (profile, how), group in runs.groupby(["profile", "how"], sort=False):
         mine = curves[(curves["profile"] == profile) & (curves["how"] == how)]
         for _, variant_runs in group.groupby("variant", sort=False):
-            rows.append(_variant_row(variant_runs.sort_values("seed"), group, mine))
+            rows.append(_variant_row(spec, variant_runs.sort_values("seed"), group, mine))
     table = pd.DataFrame(rows)
     keys = pd.DataFrame(
         {

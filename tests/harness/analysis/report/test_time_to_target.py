@@ -9,7 +9,7 @@ import json
 import pandas as pd
 import pytest
 
-from harness.analysis.plan import CompareError
+from harness.analysis.plan import CompareError, parse_selected_on
 from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
 from harness.analysis.report.compare_figures import target_loss_figure
 from harness.analysis.report.time_to_target import COMPOSED, MEASURED, analyse
@@ -140,3 +140,34 @@ def test_a_target_local_reaches_is_flagged_in_the_table_the_summary_and_compare_
     assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == ["1gbps"]
     write_outputs(default, tmp_path, None)
     assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == []
+
+
+# --- selection apart from reporting --------------------------------------------------------------------------------
+
+
+def test_a_row_reported_on_the_seeds_that_chose_its_settings_is_labelled_in_sample(tmp_path):
+    """opendiloco's settings chosen on seeds 1 and 2: its rows there are in-sample, allreduce's are not."""
+    spec = spec_of(seeds=(0, 1, 2), selected_on={"opendiloco": (1, 2, 7)})
+    fake_compare(tmp_path, spec)
+    result = analyse(spec, tmp_path)
+    assert row(result.rows, "opendiloco")["in_sample_seeds"] == "1,2"
+    assert row(result.rows, "allreduce")["in_sample_seeds"] == ""
+    markdown = compare_markdown(result)
+    labelled = f"{row(result.rows, 'opendiloco')['variant']} (in-sample: seeds 1,2)"
+    assert f"| {labelled} |" in markdown and markdown.count("in-sample: seeds") == 1
+    assert "in-sample: reported on seeds its settings were chosen on (--selected-on)" in markdown
+    assert any(f"{labelled} reached" in line for line in summary_lines(result))
+    write_outputs(result, tmp_path, None)
+    assert json.loads((tmp_path / "compare.json").read_text())["settings"]["selected_on"] == {"opendiloco": [1, 2, 7]}
+    # Reported on seeds no choice saw: nothing is labelled.
+    clean = analyse(spec_of(seeds=(0, 1, 2), selected_on={"opendiloco": (5,)}), tmp_path)
+    assert not clean.rows["in_sample_seeds"].astype(bool).any()
+    assert "in-sample" not in compare_markdown(clean)
+
+
+def test_selected_on_is_parsed_and_must_name_a_method_that_runs():
+    assert parse_selected_on(["dilocox=3,4,5", "opendiloco=1"]) == {"dilocox": (3, 4, 5), "opendiloco": (1,)}
+    with pytest.raises(CompareError, match="must look like METHOD=SEEDS"):
+        parse_selected_on(["dilocox"])
+    with pytest.raises(CompareError, match="--selected-on names dilocox, which --methods does not run"):
+        spec_of(selected_on={"dilocox": (1,)}).validate()
