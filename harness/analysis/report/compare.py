@@ -10,6 +10,7 @@ and JSON's `how`, the figure's legend. A composed row whose trace failed the ste
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pandas as pd
 
 from harness.analysis.plan import BASELINE, CEILING, TARGET_FACTOR, TRACES_DIR
 from harness.analysis.projection.composition import MIN_ROUNDS, MIN_STEADY_STEPS, STEADY_TOLERANCE, Cadence
+from harness.analysis.projection.regime import REGIME_TOLERANCE
 from harness.analysis.report.markdown import (
     blank,
     change,
@@ -183,8 +185,26 @@ def control_note(group: pd.DataFrame) -> str | None:
     )
 
 
+def regime_note(group: pd.DataFrame) -> str | None:
+    """On a regime-matched link: AllReduce's R achieved in this study against the target's, flagged beyond
+    REGIME_TOLERANCE. None elsewhere, or without both AllReduce and local."""
+    allreduce = group[group["method"] == BASELINE]
+    if allreduce.empty or math.isnan(allreduce.iloc[0]["regime_target_r"]) or blank(allreduce.iloc[0]["achieved_r"]):
+        return None
+    r = allreduce.iloc[0]
+    off = r["achieved_r"] / r["regime_target_r"] - 1
+    flag = f" {FLAG} more than {REGIME_TOLERANCE:.0%} off" if abs(off) > REGIME_TOLERANCE else ""
+    achieved = spread_cell(r, "achieved_r", lambda v: f"{v:.1f}", lambda v: f"{v:.1f}")
+    return (
+        f"achieved R (allreduce's step time over local's, minus 1, in this study): {achieved} against the link's "
+        f"target {r['regime_target_r']:.1f} ({off:+.0%}){flag}."
+    )
+
+
 def _profile_notes(group: pd.DataFrame) -> list[str]:
     notes = [note] if (note := control_note(group)) else []
+    if note := regime_note(group):
+        notes.append(note)
     if group["in_sample_seeds"].astype(bool).any():
         notes.append(
             "in-sample: reported on seeds its settings were chosen on (--selected-on), so its figures favour it; "
@@ -260,8 +280,9 @@ def summary_lines(comparison: Comparison) -> list[str]:
             line += f", speed-up over allreduce {_ratio(r, 'speedup', times, _half)}"
         lines.append(line)
     for profile, group in comparison.rows.groupby("profile", sort=False):
-        if note := control_note(group):
-            lines.append(f"{profile}: {note}")
+        for note in (control_note(group), regime_note(group)):
+            if note:
+                lines.append(f"{profile}: {note}")
     for _, r in comparison.validation.iterrows():
         lines.append(
             f"{r['profile']}: {r['variant']} {COMPOSED} {_seconds(r['composed_s'])} vs measured "

@@ -171,3 +171,41 @@ def test_selected_on_is_parsed_and_must_name_a_method_that_runs():
         parse_selected_on(["dilocox"])
     with pytest.raises(CompareError, match="--selected-on names dilocox, which --methods does not run"):
         spec_of(selected_on={"dilocox": (1,)}).validate()
+
+
+# --- the regime achieved -------------------------------------------------------------------------------------------
+
+
+def _on_a_regime_link(folder, target_r: float) -> None:
+    """What a run on a regime-matched profile records: the R its link was derived for."""
+    for summary in folder.rglob("summary.json"):
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), "regime_target_r": target_r}))
+
+
+@pytest.mark.parametrize(("target_r", "flagged"), [(7.0, False), (7.5, False), (8.0, True), (5.0, True)])
+def test_the_r_each_run_achieved_is_taken_against_local_in_the_same_study(tmp_path, target_r, flagged):
+    """local runs at 8x allreduce's tokens/s on every seed: allreduce's achieved R is 7, whatever the link was
+    derived for; more than 10% from the target is flagged."""
+    spec = spec_of(methods=("allreduce", "opendiloco", "local"), seeds=(0, 1))
+    fake_compare(tmp_path, spec)
+    _on_a_regime_link(tmp_path, target_r)
+    result = analyse(spec, tmp_path)
+    ar, od = row(result.rows, "allreduce"), row(result.rows, "opendiloco")
+    assert ar["achieved_r"] == pytest.approx(7.0) and ar["achieved_r_pairing"] == "paired"
+    assert od["achieved_r"] == pytest.approx(8000 / 4000 - 1)
+    assert row(result.rows, "local")["achieved_r"] == pytest.approx(0.0)
+    note = (
+        "achieved R (allreduce's step time over local's, minus 1, in this study): 7.0 (range 7.0–7.0) against the "
+        f"link's target {target_r:.1f} ({7.0 / target_r - 1:+.0%})"
+    )
+    markdown = compare_markdown(result)
+    assert note in markdown and ("more than 10% off" in markdown) == flagged
+    assert any(note in line for line in summary_lines(result))
+
+
+def test_no_regime_note_on_a_link_not_derived_for_one(tmp_path):
+    spec = spec_of(methods=("allreduce", "local"), seeds=(0, 1))
+    fake_compare(tmp_path, spec)
+    result = analyse(spec, tmp_path)
+    assert row(result.rows, "allreduce")["achieved_r"] == pytest.approx(7.0)
+    assert "achieved R" not in compare_markdown(result)
