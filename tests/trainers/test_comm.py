@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -22,8 +23,14 @@ def _ring_scenario(rank: int) -> dict:
     return out
 
 
-def test_the_quantized_ring_sums_to_the_same_bytes_everywhere(tmp_path):
-    results = run_ranks(_ring_scenario, (), tmp_path, WORLD)
+@pytest.fixture(scope="module")
+def ring_results(tmp_path_factory) -> list[dict]:
+    """The ring scenario's results, spawned once for the tests that read them."""
+    return run_ranks(_ring_scenario, (), tmp_path_factory.mktemp("ring"), WORLD)
+
+
+def test_the_quantized_ring_sums_to_the_same_bytes_everywhere(ring_results):
+    results = ring_results
     exact = sum(r["flat"] for r in results)
     for bits, level in ((8, 127), (4, 7)):
         for r in results:
@@ -35,9 +42,9 @@ def test_the_quantized_ring_sums_to_the_same_bytes_everywhere(tmp_path):
         assert error.max() > 0  # it is quantized
 
 
-def test_each_rank_knows_the_rounding_it_put_on_the_wire(tmp_path):
+def test_each_rank_knows_the_rounding_it_put_on_the_wire(ring_results):
     # Every rounding is made by the rank that sent the codes: together they are all the sum lost.
-    results = run_ranks(_ring_scenario, (), tmp_path, WORLD)
+    results = ring_results
     exact = sum(r["flat"] for r in results)
     for bits in (8, 4):
         lost = exact - results[0][f"sum{bits}"]
