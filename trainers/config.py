@@ -120,3 +120,10 @@ class TrainConfig:
             raise ValueError(f"threads_per_rank must be 0 (cores over ranks) or more, got {self.threads_per_rank}")
         if not 0 <= self.throughput_warmup_steps < self.steps:
             raise ValueError(f"--throughput-warmup-steps must be in [0, steps), got {self.throughput_warmup_steps}")
+
+
+def format_value(value: Any) -> str:
+    """The text --set reads back as `value`: true/false, none."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "none" if value is None else str(value)

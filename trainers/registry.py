@@ -16,6 +16,8 @@ import typing
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from trainers.config import format_value
+
 if TYPE_CHECKING:
     from trainers.method import Method, MethodContext
 
@@ -132,18 +134,11 @@ def check_applicable(name: str, config: Any, given: dict[str, Any]) -> None:
         for other, allowed in spec.metadata.get("applies_when", {}).items():
             actual = getattr(config, other)
             if actual not in allowed:
-                wanted = " or ".join(f"{other}={format_setting(value)}" for value in allowed)
+                wanted = " or ".join(f"{other}={format_value(value)}" for value in allowed)
                 raise ValueError(
                     f"{name}'s setting {spec.name} applies only with {wanted}, and this run has "
-                    f"{other}={format_setting(actual)}; leave {spec.name} out or set {wanted}"
+                    f"{other}={format_value(actual)}; leave {spec.name} out or set {wanted}"
                 )
-
-
-def format_setting(value: Any) -> str:
-    """A value as --set takes it: true/false, none."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "none" if value is None else str(value)
 
 
 def _checked(method: str, key: str, kind: Any, value: Any) -> Any:

@@ -111,8 +111,9 @@ def compare(
     from harness.run.settings import parse_assignments
 
     settings, per_method = fixed_settings(parse_assignments(assignments), "a comparison")
+    listed = csv_list(methods, option="--methods")
     spec = CompareSpec(
-        methods=(with_control if control else tuple)(csv_list(methods, option="--methods")),
+        methods=with_control(listed) if control else listed,
         profiles=_profiles(profiles, "--profile"),
         composed=_profiles(composed, "--composed"),
         seeds=csv_list(seeds, int, "--seeds"),

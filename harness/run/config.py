@@ -160,6 +160,7 @@ class RunConfig:
         # here, and only here, that becomes the user's error.
         except (ValueError, TypeError) as err:
             raise UserError(str(err)) from None
+        # Ranks that share the host's cores share its memory too (netns); a container's GPU memory is not checked.
         if capabilities(self.backend).ranks_share_host_cpus:
             check_fits(shapes, self.clusters * self.stages, self.stages, available_bytes())
         # Built here, where a setting the method refuses is named before the host is touched; kept for its readers.

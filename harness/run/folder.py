@@ -451,8 +451,7 @@ def runs_without_summary(paths: Sequence[Path]) -> list[Path]:
         if not root.is_dir():
             continue
         search = root / "runs" if (root / "sweep.json").is_file() else root
-        candidates = [search / "config.json", *sorted(search.rglob("config.json"))]
-        for config in dict.fromkeys(candidates):
+        for config in sorted(search.rglob("config.json")):
             relative = config.parent.relative_to(root)
             hidden = any(part.startswith(".") for part in relative.parts)
             if config.is_file() and not hidden and not (config.parent / SUMMARY_NAME).is_file():

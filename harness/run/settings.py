@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from harness.errors import UserError
-from trainers.config import TrainConfig
+from trainers.config import TrainConfig, format_value
 
 SCOPE_MARK = "."
 VARIANT_MARK = "@"
@@ -66,13 +66,6 @@ def parse_value(text: str) -> Any:
         except ValueError:
             pass
     return text
-
-
-def format_value(value: Any) -> str:
-    """The text --set reads back as `value`."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return "none" if value is None else str(value)
 
 
 def parse_assignment(text: str) -> Assignment:

@@ -121,7 +121,7 @@ def _figures(profile: str, how: str, run: pd.Series, curve: pd.DataFrame, target
         "wire_bytes_per_token": float(run["wire_bytes_per_token"]),
         "final_val_loss": float(run["final_val_loss"]),
         "best_val_loss": float(curve["val_loss"].min()) if len(curve) else math.nan,
-        "regime_target_r": float(run.get("regime_target_r", math.nan) or math.nan),
+        "regime_target_r": pd.to_numeric(run.get("regime_target_r"), errors="coerce"),
     }
 
 
