@@ -25,8 +25,8 @@ A comparison (`harness compare`, CompareSpec) is two sweeps: the full runs, ever
 same steps unless --method-steps says otherwise, plus the unshaped runs that give a composed profile its trajectory
 where that profile is not measured too; and, for each --composed profile, the short trace runs whose step times are
 composed with those trajectories (harness/analysis/projection/composition.py), in the compare folder's TRACES_DIR.
-Every comparison is relative to BASELINE (AllReduce: speed-ups, the default target loss, its final validation loss
-x TARGET_FACTOR) and CEILING (local, which never communicates: utilisation).
+Every comparison is relative to BASELINE (AllReduce: speed-ups, loss gaps) and CEILING (local, which never
+communicates: utilisation, and the control the default target is set against).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ Grid = tuple[tuple[str, tuple[Any, ...]], ...]  # swept settings: key -> its val
 # What every comparison is relative to (module doc).
 BASELINE = "allreduce"
 CEILING = "local"
-# The default target loss: AllReduce's final validation loss, this much higher.
+# The default target loss where local did not run: AllReduce's final validation loss, this much higher
+# (harness/analysis/report/aggregates.default_target).
 TARGET_FACTOR = 1.05
 # A compare folder's parts (harness/analysis/experiments/compare.py makes them).
 TRACES_DIR = "traces"
@@ -387,8 +388,8 @@ class CompareSpec:
             raise CompareError(f"name the methods to compare with --methods; known: {', '.join(METHODS)}")
         if BASELINE not in self.methods and self.target_loss is None:
             raise CompareError(
-                f"--methods lacks {BASELINE}, which sets the default target (its final validation loss x "
-                f"{TARGET_FACTOR}) and every speed-up: add it, or pass --target-loss to compare without speed-ups"
+                f"--methods lacks {BASELINE}, which sets the default target (with {CEILING}) and every speed-up: "
+                "add it, or pass --target-loss to compare without speed-ups"
             )
         if self.target_loss is not None and not (math.isfinite(self.target_loss) and self.target_loss > 0):
             raise CompareError(f"--target-loss must be a positive validation loss, got {self.target_loss}")

@@ -28,9 +28,10 @@ results_argument = click.argument("results", nargs=-1, required=True, type=click
 @click.option(
     "--target-loss",
     type=float,
-    help="Validation loss for the tokens/time-to-target columns [default: per group, allreduce's final "
-    "validation loss (mean over its runs) x 1.05; a group without allreduce needs this option, else those "
-    "columns are not computed]. A run that never gets there shows 'not reached'.",
+    help="Validation loss for the tokens/time-to-target columns [default: per group, halfway between "
+    "allreduce's highest final validation loss and the lowest loss local reached (x 1.05 on allreduce's mean "
+    "where local did not run); a group without allreduce needs this option, else those columns are not "
+    "computed]. A run that never gets there shows 'not reached'.",
 )
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Write the comparison as CSV.")
 @click.option("--parquet", "parquet_path", type=click.Path(path_type=Path), help="Write it as parquet (needs pyarrow).")

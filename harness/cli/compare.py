@@ -54,8 +54,9 @@ def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
 @click.option(
     "--target-loss",
     type=float,
-    help="Validation loss to reach [default: allreduce's final validation loss (mean over its seeds) x 1.05]; "
-    "the only way to compare without allreduce.",
+    help="Validation loss to reach [default: halfway between allreduce's highest final validation loss over its "
+    "seeds and the lowest local reached, so no local run reaches it; allreduce's mean final loss x 1.05 with "
+    "--no-control]; the only way to compare without allreduce.",
 )
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Compare folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished runs.")
@@ -97,7 +98,8 @@ def compare(
     its 95% interval (paired per seed), applied tokens/s, utilisation (vs local, where it ran), wire bytes per
     token, final validation loss and the loss gap to AllReduce at equal tokens; each with n and its interval.
 
-    The target defaults to AllReduce's final validation loss x 1.05 (mean over seeds) and is printed with the table.
+    The target defaults to one local, which never communicates, does not reach: halfway between AllReduce's highest
+    final validation loss over its seeds and the lowest loss local reached; it is printed with how it was derived.
     A --composed link's times are an estimate, labelled "composed" in the table, the summaries, OUT/compare.csv,
     OUT/compare.json and the figures: a link's trajectory does not depend on its rate, so a full run elsewhere is
     composed with a short trace on that link (OUT/traces/; docs/comparisons.md says how, and when a trace is

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.analysis.plan import BASELINE, CEILING, TARGET_FACTOR, TRACES_DIR
+from harness.analysis.plan import BASELINE, CEILING, TRACES_DIR
 from harness.analysis.projection.composition import MIN_ROUNDS, MIN_STEADY_STEPS, STEADY_TOLERANCE, Cadence
 from harness.analysis.projection.regime import REGIME_TOLERANCE
 from harness.analysis.report.markdown import (
@@ -110,10 +110,7 @@ def target_line(comparison: Comparison) -> str:
     target = comparison.target_loss
     if comparison.target_source == "given":
         return f"Target validation loss: {target:.4g} (--target-loss)."
-    return (
-        f"Target validation loss: {target:.4g} ({BASELINE}'s final validation loss {target / TARGET_FACTOR:.4g}, the "
-        f"mean over its full runs, x {TARGET_FACTOR})."
-    )
+    return f"Target validation loss: {target:.4g} ({comparison.target_rule})."
 
 
 def settings_notes(comparison: Comparison) -> list[str]:
@@ -308,7 +305,7 @@ def write_outputs(comparison: Comparison, out: Path, command: str | None) -> lis
         "target": {
             "loss": comparison.target_loss,
             "source": comparison.target_source,
-            "factor": TARGET_FACTOR,
+            "rule": comparison.target_rule,
             # Profiles where local, which never communicates, reaches the target (control_note).
             "reached_by_control": [p for p, group in rows.groupby("profile", sort=False) if control_note(group)],
         },

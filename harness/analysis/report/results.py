@@ -14,7 +14,6 @@ from collections.abc import Callable
 import pandas as pd
 
 from harness.analysis.options import not_recorded_note
-from harness.analysis.plan import TARGET_FACTOR
 from harness.analysis.report.markdown import (
     blank,
     change,
@@ -119,7 +118,7 @@ def _target_line(group: pd.DataFrame) -> str:
             "Tokens and time to target: not computed (no allreduce run in this group to set the target); "
             "pass --target-loss."
         )
-    return f"Target validation loss: {target:.3f} (allreduce's final {target / TARGET_FACTOR:.3f} x {TARGET_FACTOR})."
+    return f"Target validation loss: {target:.3f} ({group['target_rule'].iloc[0]})."
 
 
 def _regime_table(group: pd.DataFrame) -> str:

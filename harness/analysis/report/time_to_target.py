@@ -10,9 +10,11 @@ bytes per applied token, the final validation loss, and the loss at equal tokens
 largest token count both evaluated, interpolated between evaluations; the final losses where their steps agree),
 paired per seed.
 
-The target defaults to AllReduce's final validation loss x 1.05, the mean over its full runs (the loss does not depend
-on the link, so this is the mean over its seeds); --target-loss gives it instead, and is the only way to compare
-without AllReduce, which then leaves the speed-ups and loss gaps out.
+The target defaults to one that measures communication (aggregates.default_target): halfway between the highest final
+validation loss AllReduce ended at on any seed and the lowest loss local, which never communicates, reached on any
+seed, over the full runs (the loss does not depend on the link); x 1.05 on AllReduce's mean final loss where no local
+ran. --target-loss gives it instead, and is the only way to compare without AllReduce, which then leaves the
+speed-ups and loss gaps out.
 
 Every row says how its times were got: "measured" (the full run on the link) or "composed" (the trajectory composed
 with a trace on the link, harness/analysis/projection/composition.py); a composed figure is never shown without that
@@ -41,7 +43,15 @@ from harness.analysis.plan import (
     profile_name,
 )
 from harness.analysis.projection.composition import Trace, read_trace
-from harness.analysis.report.aggregates import Spread, default_target, ratio, reach, spread, spread_columns
+from harness.analysis.report.aggregates import (
+    DefaultTarget,
+    Spread,
+    default_target,
+    ratio,
+    reach,
+    spread,
+    spread_columns,
+)
 from harness.analysis.report.tables import RunTables, eval_curve, load_runs
 from harness.run.folder import RunPaths
 
@@ -57,6 +67,7 @@ class Comparison:
     spec: CompareSpec
     target_loss: float
     target_source: str  # BASELINE (the default) or "given"
+    target_rule: str  # how the default was derived (aggregates.DefaultTarget.rule); "" when given
     rows: pd.DataFrame  # one per (profile, how, variant): the aggregates
     runs: pd.DataFrame  # one per (profile, how, variant, seed): the per-run figures
     curves: pd.DataFrame  # one per (profile, how, variant, seed, evaluation): tokens, val_loss, elapsed_s
@@ -176,17 +187,19 @@ def _composed(spec: CompareSpec, full: _Loaded, traces: _Loaded, target: float) 
     return figures, curves
 
 
-def _target(spec: CompareSpec, full: _Loaded) -> tuple[float, str]:
+def _target(spec: CompareSpec, full: _Loaded) -> DefaultTarget:
+    """The given target, or aggregates.default_target over every full run (the loss does not depend on the link)."""
     if spec.target_loss is not None:
-        return spec.target_loss, "given"
-    ok = full.tables.runs
-    target = default_target(ok[ok["status"] == "ok"]) if not ok.empty else math.nan
-    if math.isnan(target):
+        return DefaultTarget(spec.target_loss, "")
+    runs = full.tables.runs
+    ok = runs[runs["status"] == "ok"] if not runs.empty else runs
+    target = default_target(ok, eval_curve(full.tables.events)) if not ok.empty else DefaultTarget(math.nan, "")
+    if math.isnan(target.loss):
         raise CompareError(
             f"no {BASELINE} run finished, so there is no default target (see the failures in index.csv); "
             "rerun to retry them, or pass --target-loss"
         )
-    return target, BASELINE
+    return target
 
 
 def loss_at_tokens(curve: pd.DataFrame, tokens: float) -> float:
@@ -329,7 +342,8 @@ def analyse(spec: CompareSpec, out: Path) -> Comparison:
     traces = _load(out / TRACES_DIR, trace_spec.combinations() if trace_spec else [])
     if not full.by_name:
         raise CompareError(f"no run in {out} finished ({'; '.join(full.failed) or 'none ran'}); rerun to retry them")
-    target, source = _target(spec, full)
+    chosen = _target(spec, full)
+    target = chosen.loss
     measured, measured_curves = _measured(spec, full, target)
     composed, composed_curves = _composed(spec, full, traces, target)
     runs = pd.DataFrame([*measured, *composed])
@@ -339,6 +353,6 @@ def analyse(spec: CompareSpec, out: Path) -> Comparison:
         raise _unreachable(runs, target, out)
     curves = pd.concat([*measured_curves, *composed_curves], ignore_index=True)
     return Comparison(
-        spec, target, source, _rows(spec, runs, curves), runs, curves, _validation(spec, runs),
-        (*full.failed, *traces.failed),
+        spec, target, "given" if spec.target_loss is not None else BASELINE, chosen.rule, _rows(spec, runs, curves),
+        runs, curves, _validation(spec, runs), (*full.failed, *traces.failed),
     )  # fmt: skip

@@ -83,21 +83,39 @@ def test_applied_and_trained_throughput_and_few_syncs_are_shown(tmp_path):
     assert "trained tokens/s" not in report_markdown(comparison(only_ar), only_ar.runs)
 
 
-def test_default_target_is_allreduce_loss_plus_five_percent(sweep_results):
+def test_default_target_is_halfway_between_allreduce_worst_and_local_best(sweep_results):
     table = comparison(load_runs([sweep_results]))
     ar, dl, local = row(table, "allreduce"), row(table, "opendiloco (local_steps=10)"), row(table, "local")
-    # allreduce's final losses 4.0 and 3.8: mean 3.9, x 1.05.
-    assert ar["target_loss"] == pytest.approx(3.9 * 1.05) and ar["target_source"] == "allreduce"
-    # allreduce seed 0 gets below 4.095 at step 20 (4.4, then 4.0), seed 1 also at step 20 (4.2, then 3.8) ...
+    # allreduce ends at 4.0 and 3.8 (worst 4.0); local's lowest evaluation is 4.9: halfway, 4.45.
+    assert ar["target_loss"] == pytest.approx(4.45) and ar["target_source"] == "allreduce"
+    # allreduce gets below 4.45 at step 10 on both seeds (4.4 and 4.2) ...
     assert ar["reached"] == 2
-    assert ar["tokens_to_target"] == pytest.approx(20 * 2048)
-    assert ar["time_to_target_s"] == pytest.approx((20 * 2048 / 1000 + 20 * 2048 / 1200) / 2)
-    # ... opendiloco ends at 4.1 and 4.3, local at 4.9: never reached, whatever their last evaluation.
-    assert dl["reached"] == 0 and math.isnan(dl["tokens_to_target"]) and local["reached"] == 0
+    assert ar["tokens_to_target"] == pytest.approx(10 * 2048)
+    assert ar["time_to_target_s"] == pytest.approx((10 * 2048 / 1000 + 10 * 2048 / 1200) / 2)
+    # ... opendiloco at step 20 (4.1 and 4.3), local never (it set the bound).
+    assert dl["reached"] == 2 and dl["tokens_to_target"] == pytest.approx(20 * 2048) and local["reached"] == 0
     tables = load_runs([sweep_results])
     text = report_markdown(comparison(tables), tables.runs)
-    assert "Target validation loss: 4.095 (allreduce's final 3.900 x 1.05)." in text
-    assert cells_of(text, "opendiloco")[-2:] == ["not reached", "not reached"]
+    assert "Target validation loss: 4.450 (halfway between allreduce's highest final validation loss over its " in text
+    assert "(4.9: no local run reaches it)" in text
+
+
+def test_default_target_without_local_is_allreduce_mean_plus_five_percent(sweep_results):
+    (sweep_results / "runs" / "local-s0").rename(sweep_results / "local-elsewhere")
+    tables = load_runs([sweep_results / "runs"])
+    ar = row(comparison(tables), "allreduce")
+    assert ar["target_loss"] == pytest.approx(3.9 * 1.05)
+    assert "x 1.05; no local run to check it against" in report_markdown(comparison(tables), tables.runs)
+
+
+def test_default_target_where_local_reaches_allreduce_is_its_worst_final(tmp_path):
+    write_run(tmp_path, "ar-s0", "allreduce", seed=0, val_losses=(5.5, 4.4, 4.0))
+    write_run(tmp_path, "ar-s1", "allreduce", seed=1, val_losses=(5.5, 4.2, 3.8))
+    write_run(tmp_path, "local-s0", "local", seed=0, val_losses=(5.5, 3.9, 4.2))
+    table = comparison(load_runs([tmp_path]))
+    assert row(table, "allreduce")["target_loss"] == pytest.approx(4.0)
+    assert row(table, "local")["reached"] == 1
+    assert "local reached 3.9, below it" in row(table, "allreduce")["target_rule"]
 
 
 def test_given_target_and_groups_without_allreduce(sweep_results):
@@ -128,11 +146,11 @@ def test_markdown_shows_the_comparison_and_the_failures(sweep_results):
     assert "### 1gbps (1 Gbit/s) · model tiny" in text and "### 100mbps (100 Mbit/s)" in text
     assert "n: runs aggregated" in text
     cells = cells_of(text, "opendiloco (local_steps=10)")
-    # Loss vs allreduce, paired per seed: 4.1 / 4.0 and 4.3 / 3.8.
+    # Loss vs allreduce, paired per seed: 4.1 / 4.0 and 4.3 / 3.8; the target (4.45) reached at step 20 of 2,048 tokens.
     assert cells[1:12] == [
         "2", "0,1", "5,500 (range 5,500–5,500)", "5.04x (range 4.58x–5.5x, paired)", "50% (ratio of means)",
         "75% (range 75%–75%)", "4.0", "100x", "4.200 (range 4.100–4.300)", "+7.83% (range +2.5%–+13.2%, paired)",
-        "not reached",
+        "40,960",
     ]  # fmt: skip
     assert cells_of(text, "allreduce")[4:6] == ["1x", "10% (ratio of means)"]
     assert "1 failed run(s)" in text and "sweep/runs/broken: rank 1 exited with code 1" in text

@@ -125,12 +125,14 @@ def test_a_profile_measured_and_composed_sets_the_two_side_by_side(tmp_path):
 
 def test_a_target_local_reaches_is_flagged_in_the_table_the_summary_and_compare_json(tmp_path):
     """local never communicates: a target it reaches (here 4.75; its losses fall to 4.6) says nothing about
-    communication. At the default target (3.885) it does not reach, and nothing is flagged."""
+    communication. The default target is halfway between AllReduce's worst final loss (3.7) and local's lowest (4.6):
+    4.15, which local does not reach, and nothing is flagged."""
     spec = spec_of(methods=("allreduce", "opendiloco", "local"), seeds=(0, 1))
     fake_compare(tmp_path, spec)
     flag = "local reaches the target (2 of 2 seeds, measured) without ever communicating"
     default = analyse(spec, tmp_path)
-    assert row(default.rows, "local")["reached"] == 0
+    assert default.target_loss == pytest.approx(4.15) and row(default.rows, "local")["reached"] == 0
+    assert "Target validation loss: 4.15 (halfway between allreduce's highest" in compare_markdown(default)
     assert flag not in compare_markdown(default) and not any(flag in line for line in summary_lines(default))
     reachable = analyse(spec_of(methods=("allreduce", "opendiloco", "local"), seeds=(0, 1), target_loss=4.75), tmp_path)
     assert row(reachable.rows, "local")["reached"] == 2
@@ -139,7 +141,8 @@ def test_a_target_local_reaches_is_flagged_in_the_table_the_summary_and_compare_
     write_outputs(reachable, tmp_path, None)
     assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == ["1gbps"]
     write_outputs(default, tmp_path, None)
-    assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == []
+    target = json.loads((tmp_path / "compare.json").read_text())["target"]
+    assert target["reached_by_control"] == [] and target["rule"].endswith("(4.6: no local run reaches it)")
 
 
 # --- selection apart from reporting --------------------------------------------------------------------------------
