@@ -119,6 +119,7 @@ class _Evaluator:
                 "val_loss": self.val_loss,
                 "val_bpb": self.setup.bits_per_byte(self.val_loss),
                 "eval_s": eval_s,
+                "val_tokens": sum(y.numel() for _, y in self.setup.val_batches),
             }
         )
 

@@ -289,6 +289,9 @@ def _outcome(records: _Records) -> dict[str, Any]:
         "initial_val_loss": evals[0]["val_loss"] if evals else None,
         # Per byte of text, not per token: runs with different tokenizers compare (absent from older runs).
         "final_val_bpb": evals[-1].get("val_bpb") if evals else None,
+        # The held-out tokens each evaluation read, and all evaluations' time, which tokens/s leaves out.
+        "val_tokens": evals[-1].get("val_tokens") if evals else None,
+        "eval_s": sum(e["eval_s"] for e in evals) if evals else None,
         "optimizer_state_bytes_per_rank": [
             records.ranks[r].get("optimizer_state_bytes") for r in sorted(records.ranks)
         ],

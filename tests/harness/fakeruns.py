@@ -60,6 +60,7 @@ def write_run(
     config.save(run_dir / "config.json")
     world = config.clusters * config.stages
     tokens_per_step = config.clusters * config.train.batch_size * 128  # the tiny model's context
+    val_tokens = config.train.eval_batches * config.train.batch_size * 128
     step_s = tokens_per_step / tokens_per_s
     syncs = method != "local"
     applied = steps if applied_steps is None else applied_steps
@@ -74,7 +75,7 @@ def write_run(
         t = T0
         events: list[dict] = [{"t": t, "rank": rank, "kind": "start", "tokens_per_step": tokens_per_step}]
         events.append({"t": t, "rank": rank, "kind": "eval", "step": 0, "tokens": 0, "val_loss": val_losses[0],
-                       "eval_s": EVAL_S})  # fmt: skip
+                       "eval_s": EVAL_S, "val_tokens": val_tokens})  # fmt: skip
         for step in range(steps):
             t += step_s
             event = {"t": t, "rank": rank, "kind": "step", "step": step, "tokens": (step + 1) * tokens_per_step,
@@ -99,7 +100,8 @@ def write_run(
                 t += EVAL_S
                 loss = val_losses[(step + 1) // eval_every]
                 events.append({"t": t, "rank": rank, "kind": "eval", "step": step + 1,
-                               "tokens": (step + 1) * tokens_per_step, "val_loss": loss, "eval_s": EVAL_S})  # fmt: skip
+                               "tokens": (step + 1) * tokens_per_step, "val_loss": loss, "eval_s": EVAL_S,
+                               "val_tokens": val_tokens})  # fmt: skip
         (run_dir / "events" / f"rank{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
         window_steps = steps - warmup
         result = {

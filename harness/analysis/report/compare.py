@@ -129,7 +129,24 @@ def settings_notes(comparison: Comparison) -> list[str]:
     shared = {k: v for k, v in record["settings"].items() if k != "steps"}
     if shared:
         lines.append("Shared settings: " + ", ".join(f"{k}={v}" for k, v in shared.items()) + ".")
+    if line := _validation_cost(comparison.runs):
+        lines.append(line)
     return lines
+
+
+def _validation_cost(runs: pd.DataFrame) -> str | None:
+    """How much held-out text each validation read and what evaluating cost the measured runs (left out of every
+    time in the table)."""
+    measured = runs[runs["how"] == MEASURED]
+    tokens = pd.to_numeric(measured["val_tokens"], errors="coerce").dropna()
+    if tokens.empty:
+        return None
+    count = f"{tokens.iloc[0]:,.0f}" if tokens.nunique() == 1 else f"{tokens.min():,.0f}-{tokens.max():,.0f}"
+    eval_s = pd.to_numeric(measured["eval_s"], errors="coerce").dropna()
+    cost = (
+        f"; evaluating took {eval_s.mean():.1f} s a measured run (mean), left out of every time" if len(eval_s) else ""
+    )
+    return f"Validation: {count} held-out tokens an evaluation, the same windows for every method and seed{cost}."
 
 
 def _cadence(method: str, cadence: Cadence) -> str:

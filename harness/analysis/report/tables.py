@@ -40,6 +40,7 @@ from harness.run.folder import (
     RunPaths,
     UnreadableResults,
     find_run_dirs,
+    read_config,
     read_events,
     read_link_trace,
     read_summary,
@@ -56,7 +57,7 @@ _SUMMARY_SCALARS = (
     "param_count", "seed", "steps", "tokens", "trained_tokens", "applied_tokens", "throughput_warmup_steps", "wall_s",
     "tokens_per_s", "trained_tokens_per_s", "wire_bytes", "wire_bytes_per_token", "payload_bytes", "sync_count",
     "comm_blocked_s", "comm_overlapped_s", "overlap_hidden_fraction", "final_train_loss", "final_val_loss",
-    "initial_val_loss", "final_val_bpb", "tokenizer",
+    "initial_val_loss", "final_val_bpb", "tokenizer", "val_tokens", "eval_s",
     "link_busbw_bps", "regime_target_r", "link_max_excess", "link_conforms", "link_emulator",
     "link_rtt_ms", "link_rtt_target_ms", "link_loss_measured", "link_loss_target", "link_check_ok",
     "link_trace_error", "link_trace_windows",
@@ -142,6 +143,14 @@ def _ceiling_columns(summary: dict, rank_events: Mapping[int, list[dict]]) -> di
     }
 
 
+def _val_tokens_of(config: dict) -> int | None:
+    """The held-out tokens of an evaluation, for runs from before the summary recorded them (where seq_len was given;
+    the model's context otherwise, which config.json does not hold)."""
+    train = config.get("train") or {}
+    sizes = [train.get(k) for k in ("eval_batches", "batch_size", "seq_len")]
+    return math.prod(sizes) if all(isinstance(v, int) for v in sizes) else None
+
+
 @dataclass(frozen=True)
 class _Run:
     """One run folder's rows of the three tables."""
@@ -158,6 +167,8 @@ def _read_run(run_dir: Path, relative: str) -> _Run:
     row = {key: summary.get(key) for key in _SUMMARY_SCALARS}
     # Runs from before --tokenizer existed trained on bytes.
     row["tokenizer"] = row["tokenizer"] or "bytes"
+    if row["val_tokens"] is None:
+        row["val_tokens"] = _val_tokens_of(read_config(run_dir))
     options = run_options_in(run_dir, summary)
     row.update(
         variant=options.label, variant_key=options.key, options=json.dumps(options.resolved),
@@ -170,6 +181,9 @@ def _read_run(run_dir: Path, relative: str) -> _Run:
     }
     events = [{"run_id": summary["run_id"], **e} for rank_events in by_rank.values() for e in _elapsed(rank_events)]
     row.update(_ceiling_columns(summary, by_rank))
+    if row["eval_s"] is None:
+        evals = [e for e in by_rank.get((summary.get("stages") or 1) - 1, []) if e["kind"] == "eval"]
+        row["eval_s"] = sum(e.get("eval_s") or 0.0 for e in evals) if evals else None
     return _Run(row, events, sites, _link_trace_rows(summary["run_id"], run_dir))
 
 

@@ -133,6 +133,8 @@ def _figures(profile: str, how: str, run: pd.Series, curve: pd.DataFrame, target
         "final_val_loss": float(run["final_val_loss"]),
         "best_val_loss": float(curve["val_loss"].min()) if len(curve) else math.nan,
         "regime_target_r": pd.to_numeric(run.get("regime_target_r"), errors="coerce"),
+        "val_tokens": pd.to_numeric(run.get("val_tokens"), errors="coerce"),
+        "eval_s": pd.to_numeric(run.get("eval_s"), errors="coerce"),
     }
 
 

@@ -30,6 +30,8 @@ def test_allreduce_trains_and_counts_its_bytes_on_the_wire(tmp_path):
     assert summary["steps"] == 60 and summary["tokens"] == 60 * 2 * 4 * 128
     # Real text, real learning: the held-out loss falls well below the uniform-byte entropy (ln 256 = 5.55).
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+    # Each validation reads eval_batches (8) x batch 4 x 128 held-out tokens; its time is recorded apart.
+    assert summary["val_tokens"] == 8 * 4 * 128 and summary["eval_s"] > 0
     # The kernel's counters agree with the all-reduce's own accounting; the excess is TCP/IP framing and ACKs.
     assert 1.0 <= summary["wire_bytes"] / summary["payload_bytes"] < 1.10
     assert summary["tokens_per_s"] > 0 and summary["sync_count"] == 60

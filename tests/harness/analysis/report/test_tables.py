@@ -3,6 +3,7 @@ damaged run folder does to them."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -112,3 +113,14 @@ def test_a_run_folder_without_its_summary_is_named_not_dropped_unsaid(sweep_resu
     assert len(tables.runs) == 6 and "sweep/runs/dl-s1" not in set(tables.runs["path"])
     assert tables.skipped == (Skipped(lost, "no summary.json (the run did not finish writing it)"),)
     assert f"skipped 1 unreadable run: {lost}: no summary.json" in skipped_note(tables.skipped)
+
+
+def test_validation_tokens_of_a_run_from_before_the_summary_recorded_them(tmp_path):
+    """Older runs record neither val_tokens nor eval_s: they are read from config.json (where seq_len was given)
+    and from the evaluation events."""
+    run = write_run(tmp_path, "old", "allreduce", options={"seq_len": 64, "eval_batches": 256})
+    summary = json.loads((run / "summary.json").read_text())
+    del summary["val_tokens"], summary["eval_s"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    old = load_runs([tmp_path]).runs.iloc[0]
+    assert old["val_tokens"] == 256 * 8 * 64 and old["eval_s"] == pytest.approx(3 * EVAL_S)

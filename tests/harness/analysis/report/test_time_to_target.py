@@ -35,6 +35,9 @@ def test_time_to_target_and_its_speed_up_are_paired_per_seed(tmp_path):
     assert ar["speedup_pairing"] == "reference"
     assert dl["loss_vs_allreduce"] == pytest.approx(3.85 / 3.7)
     assert ar["utilisation_pairing"] == "" and "utilisation: n/a (local did not run" in compare_markdown(result)
+    # 8 evaluation batches x 8 sequences x 128 tokens; five evaluations of 0.5 s each.
+    validation = "Validation: 8,192 held-out tokens an evaluation, the same windows for every method and seed; "
+    assert validation + "evaluating took 2.5 s a measured run (mean)" in compare_markdown(result)
 
 
 def test_the_loss_gap_is_taken_at_the_tokens_both_reached(tmp_path):
