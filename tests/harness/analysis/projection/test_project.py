@@ -48,11 +48,49 @@ def test_slow_start_doubles_from_ten_segments_each_round_trip():
     assert LinkModel(100e6, 0.0).slow_start_extra_s(10**8) == 0.0
 
 
-def test_bytes_are_what_each_method_logged_on_the_tiny_model():
-    """sync_payload_bytes of real 2-site runs of the tiny model (wan-latency-tiny, the first exchange: r = r_1, which
-    was 32 then)."""
-    logged = {"allreduce": 3_502_080, "opendiloco": 1_751_040, "cocktail": 44_089, "dilocox": 172_574}
-    for method, payload in logged.items():
+# The tiny model's parameter shapes (trainers/models.py): embeddings 256 x 128 and positions 130 x 128, four blocks
+# of four 128 x 128 projections with their biases, 512 x 128 and 128 x 512 MLP matrices with theirs, two norms (weight
+# and bias) a block and a final one, and the 256 x 128 untied head; 875,520 weights.
+TINY_MATRICES = [(256, 128), (130, 128), *[(128, 128)] * 16, *[(512, 128), (128, 512)] * 4, (256, 128)]
+TINY_VECTORS = [128] * 38 + [512] * 4
+
+
+def _quantized_4bit(n: int) -> int:
+    """n values at 4 bits, two to a byte, and one fp16 scale per bucket of 128."""
+    return -(-n // 2) + 2 * -(-n // 128)
+
+
+def _cocktail_bytes(n: int) -> int:
+    """A tensor of n weights: every 10th in the random mask, the top 20% of those kept at 4 bits, each with its
+    position in the mask (1 byte up to 256 positions, else 2)."""
+    masked = -(-n // 10)
+    kept = round(0.2 * masked)
+    return kept * (1 if masked <= 256 else 2) + _quantized_4bit(kept)
+
+
+def _dilocox_bytes(rank: int) -> int:
+    """Rank-r factors (m x r and n x r) of every matrix they shrink, 4-bit; vectors whole at 4 bits; plus the
+    adaptive rank's 16-byte all-reduce of its estimates."""
+    matrices = sum(
+        _quantized_4bit(m * rank) + _quantized_4bit(n * rank) if rank * (m + n) < m * n else _quantized_4bit(m * n)
+        for m, n in TINY_MATRICES
+    )
+    return matrices + sum(_quantized_4bit(n) for n in TINY_VECTORS) + 16
+
+
+def test_bytes_per_site_follow_each_methods_payload_formula_on_the_tiny_model():
+    """Two sites: an all-reduce's ring sends 2(n-1)/n = 1 buffer per site, an all-gather n-1 = 1 payload. These are
+    the bytes the first exchange of real 2-site runs logged (3,502,080; 1,751,040; 44,089; 172,574 at r = 32)."""
+    weights = sum(m * n for m, n in TINY_MATRICES) + sum(TINY_VECTORS)
+    assert weights == 875_520
+    expected = {
+        "allreduce": 4 * weights,  # fp32
+        "opendiloco": 2 * weights,  # fp16 pseudo-gradients
+        "cocktail": sum(_cocktail_bytes(m * n) for m, n in TINY_MATRICES) + sum(map(_cocktail_bytes, TINY_VECTORS)),
+        "dilocox": _dilocox_bytes(32),
+    }
+    assert expected == {"allreduce": 3_502_080, "opendiloco": 1_751_040, "cocktail": 44_089, "dilocox": 172_574}
+    for method, payload in expected.items():
         options = {"rank": 32} if method == "dilocox" else {}
         assert schedule(method, options, "tiny", 2, LINK_100M_160MS).payload_bytes == payload, method
 
