@@ -136,6 +136,7 @@ class DefaultTarget:
 
     loss: float
     rule: str
+    label: str = ""  # the rule in a few words, for a figure's legend
 
 
 def default_target(group: pd.DataFrame, evals: pd.DataFrame) -> DefaultTarget:
@@ -154,6 +155,7 @@ def default_target(group: pd.DataFrame, evals: pd.DataFrame) -> DefaultTarget:
             float(finals.mean()) * TARGET_FACTOR,
             f"{BASELINE}'s final validation loss {finals.mean():.4g} (mean over its runs) x {TARGET_FACTOR}; no "
             f"{CEILING} run to check it against",
+            f"{BASELINE}'s mean final x {TARGET_FACTOR}",
         )
     worst, floor = float(finals.max()), float(local_losses.min())
     if floor <= worst:
@@ -161,11 +163,13 @@ def default_target(group: pd.DataFrame, evals: pd.DataFrame) -> DefaultTarget:
             worst,
             f"{BASELINE}'s highest final validation loss over its runs, {worst:.4g}; {CEILING} reached {floor:.4g}, "
             "below it, so no target at allreduce's quality separates communication from none",
+            f"{BASELINE}'s worst final; {CEILING} reaches it",
         )
     return DefaultTarget(
         (worst + floor) / 2,
         f"halfway between {BASELINE}'s highest final validation loss over its runs ({worst:.4g}: every {BASELINE} "
         f"run reaches it) and the lowest {CEILING} reached on any seed ({floor:.4g}: no {CEILING} run reaches it)",
+        f"midway from {BASELINE}'s worst final to {CEILING}'s best",
     )
 
 

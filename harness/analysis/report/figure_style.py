@@ -24,7 +24,7 @@ BAND_ALPHA = 0.15  # a ± 1 std band, or an interval, behind its line
 LOSS_FIGSIZE = (12, 4.8)
 # Final times this many times apart go on a log axis: a slow baseline on a slow link takes hundreds of times longer
 # than the rest, which a linear axis would hide.
-LOG_TIME_RATIO = 20
+LOG_TIME_RATIO = 10
 
 
 def palette() -> tuple:

@@ -68,6 +68,7 @@ class Comparison:
     target_loss: float
     target_source: str  # BASELINE (the default) or "given"
     target_rule: str  # how the default was derived (aggregates.DefaultTarget.rule); "" when given
+    target_label: str  # the rule in a few words (DefaultTarget.label); "--target-loss" when given
     rows: pd.DataFrame  # one per (profile, how, variant): the aggregates
     runs: pd.DataFrame  # one per (profile, how, variant, seed): the per-run figures
     curves: pd.DataFrame  # one per (profile, how, variant, seed, evaluation): tokens, val_loss, elapsed_s
@@ -192,7 +193,7 @@ def _composed(spec: CompareSpec, full: _Loaded, traces: _Loaded, target: float) 
 def _target(spec: CompareSpec, full: _Loaded) -> DefaultTarget:
     """The given target, or aggregates.default_target over every full run (the loss does not depend on the link)."""
     if spec.target_loss is not None:
-        return DefaultTarget(spec.target_loss, "")
+        return DefaultTarget(spec.target_loss, "", "--target-loss")
     runs = full.tables.runs
     ok = runs[runs["status"] == "ok"] if not runs.empty else runs
     target = default_target(ok, eval_curve(full.tables.events)) if not ok.empty else DefaultTarget(math.nan, "")
@@ -355,6 +356,7 @@ def analyse(spec: CompareSpec, out: Path) -> Comparison:
         raise _unreachable(runs, target, out)
     curves = pd.concat([*measured_curves, *composed_curves], ignore_index=True)
     return Comparison(
-        spec, target, "given" if spec.target_loss is not None else BASELINE, chosen.rule, _rows(spec, runs, curves),
+        spec, target, "given" if spec.target_loss is not None else BASELINE, chosen.rule, chosen.label,
+        _rows(spec, runs, curves),
         runs, curves, _validation(spec, runs), (*full.failed, *traces.failed),
     )  # fmt: skip

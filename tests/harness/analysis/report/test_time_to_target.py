@@ -92,8 +92,23 @@ def test_composed_rows_carry_their_label_everywhere(tmp_path):
     assert (tmp_path / "figures" / "compare-100mbps-composed.png").is_file()
     figure = target_loss_figure(result.curves[result.curves["profile"] == "100mbps"], "100mbps", COMPOSED, 3.9, {
         v: "C0" for v in result.rows["variant"]})  # fmt: skip
-    labels = [t.get_text() for t in figure.axes[0].get_legend().get_texts() if not t.get_text().startswith("target")]
+    # The legend sits outside the axes (the figure's, not an axes'), every method labelled composed.
+    assert all(ax.get_legend() is None for ax in figure.axes)
+    labels = [t.get_text() for t in figure.legends[0].get_texts() if not t.get_text().startswith("target")]
     assert labels and all("composed" in label for label in labels)
+
+
+def test_the_figure_draws_the_control_apart_and_labels_the_target(tmp_path):
+    spec = spec_of(methods=("allreduce", "opendiloco", "local"), seeds=(0, 1))
+    fake_compare(tmp_path, spec)
+    result = analyse(spec, tmp_path)
+    colors = {v: "C0" for v in result.rows["variant"]}
+    figure = target_loss_figure(result.curves, "1gbps", MEASURED, result.target_loss, colors, result.target_label)
+    by_label = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    control = next(line for label, line in by_label.items() if label.startswith("local"))
+    assert control.get_linestyle() == "--" and "the control, no communication" in control.get_label()
+    assert by_label["allreduce (measured, n=2, band ± 1 std)"].get_linestyle() == "-"
+    assert "target 4.150 (midway from allreduce's worst final to local's best)" in by_label
 
 
 def test_an_unsteady_trace_is_flagged_not_hidden(tmp_path):
