@@ -212,6 +212,8 @@ class SweepSpec:
     settings: Mapping[str, Any] = field(default_factory=dict)  # common to every run
     per_method: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # method -> its own options
     repeats: int = 1
+    # (method, profile) pairs left out: a comparison composes some methods on a link where it measures the others.
+    skip: frozenset[tuple[str, str]] = frozenset()
 
     def combinations(self) -> list[Combination]:
         """Every distinct run, in the order they run (module doc: seed and repeat outermost, then profile, then
@@ -221,6 +223,8 @@ class SweepSpec:
         for seed, repeat, profile, method, values in product(
             self.seeds, range(self.repeats), self.profiles, self.methods, product(*(v for _, v in self.grid))
         ):
+            if (method, profile) in self.skip:
+                continue
             varied = tuple((k, v) for k, v in zip(keys, values, strict=True) if applies_to(k, method_of(method)))
             combo = Combination(method, profile, seed, varied, repeat, self.repeats)
             seen.setdefault(combo.name, combo)
@@ -334,10 +338,38 @@ class CompareSpec:
     # --selected-on: the seeds on which each method's settings were chosen; its rows on those seeds are in-sample.
     selected_on: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     target_loss: float | None = None
+    # A link both measured and composed split by method: profile -> the methods composed there (too slow to run end
+    # to end here); the others are measured. --regime's link (harness/analysis/experiments/compare.py) is one.
+    composed_methods: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    regime: str | None = None  # --regime: the published regime whose link this comparison derives
+    # With --regime: each method's full run on its link as the link model predicts it, and the limit over which it
+    # is composed there (harness/analysis/experiments/compare.py).
+    predicted_run_s: Mapping[str, float] = field(default_factory=dict)
+    measure_limit_s: float | None = None
 
     def trajectory_of(self, profile: str) -> str:
-        """Where a composed profile's loss trajectory comes from: its own full runs where measured, else unshaped."""
-        return profile if profile in self.profiles else TRAJECTORY_PROFILE
+        """Where a composed profile's loss trajectory comes from: its own full runs where measured; for a split link
+        (composed_methods), the first link measured whole; else unshaped (the loss does not depend on the link)."""
+        whole = [p for p in self.profiles if p not in self.composed_methods]
+        if profile in whole:
+            return profile
+        return whole[0] if profile in self.composed_methods and whole else TRAJECTORY_PROFILE
+
+    @property
+    def regime_link(self) -> str | None:
+        """The --regime link once derived: the profile added last (harness/analysis/experiments/compare.py)."""
+        return self.profiles[-1] if self.regime is not None and self.predicted_run_s else None
+
+    def composed_on(self, profile: str) -> tuple[str, ...]:
+        """The methods composed on a --composed profile: all of them, or a split link's composed_methods."""
+        return tuple(self.composed_methods.get(profile, self.methods))
+
+    def _split_skip(self, composed: bool) -> frozenset[tuple[str, str]]:
+        """The (method, profile) runs a split link leaves out of the full sweep (composed=False: its composed methods)
+        or of the traces (composed=True: its measured ones)."""
+        return frozenset(
+            (m, p) for p, chosen in self.composed_methods.items() for m in self.methods if (m in chosen) != composed
+        )
 
     def full_sweep(self) -> SweepSpec:
         trajectories = [self.trajectory_of(p) for p in self.composed]
@@ -345,7 +377,10 @@ class CompareSpec:
         per_method = {m: {**self.per_method.get(m, {})} for m in self.methods}
         for method, steps in self.method_steps.items():
             per_method.setdefault(method, {})["steps"] = steps
-        return SweepSpec(self.methods, tuple(profiles), self.seeds, settings=self.settings, per_method=per_method)
+        return SweepSpec(
+            self.methods, tuple(profiles), self.seeds, settings=self.settings, per_method=per_method,
+            skip=self._split_skip(composed=False),
+        )  # fmt: skip
 
     @functools.cached_property
     def _full_configs(self) -> dict[str, RunConfig]:
@@ -377,7 +412,10 @@ class CompareSpec:
             return None
         full = self.full_sweep()
         per_method = {m: {**full.per_method.get(m, {}), "steps": s} for m, s in self.trace_steps().items()}
-        return SweepSpec(self.methods, self.composed, self.seeds, settings=self.settings, per_method=per_method)
+        return SweepSpec(
+            self.methods, self.composed, self.seeds, settings=self.settings, per_method=per_method,
+            skip=self._split_skip(composed=True),
+        )  # fmt: skip
 
     def validate(self, link_check: Callable[[RunConfig], object] | None = None) -> None:
         """Every refusal before anything is created; each is one sentence naming the fix (`link_check`: as
@@ -405,6 +443,11 @@ class CompareSpec:
         strangers = sorted(set(self.method_steps) - set(self.methods))
         if strangers:
             raise CompareError(f"--method-steps names {', '.join(strangers)}, which --methods does not run")
+        if self.measure_limit_s is not None and self.regime is None:
+            raise CompareError("--measure-limit applies only with --regime (the link it decides what to measure on)")
+        for profile, chosen in self.composed_methods.items():
+            if not (profile in self.profiles and profile in self.composed and set(chosen) <= set(self.methods)):
+                raise CompareError(f"a link split between measured and composed methods must be both; {profile} is not")
         self.full_sweep().validate(link_check=link_check)
         trace = self.trace_sweep()
         if trace is not None:
@@ -427,6 +470,10 @@ class CompareSpec:
             "steps": {m: self.full_config(m).train.steps for m in self.methods},
             "trace_steps": self.trace_steps(),
             "target_loss": self.target_loss,
+            "regime": self.regime,
+            "measure_limit_s": self.measure_limit_s,
+            "predicted_run_s": dict(self.predicted_run_s),
+            "composed_methods": {profile_name(p): list(ms) for p, ms in self.composed_methods.items()},
             "selected_on": {m: list(seeds) for m, seeds in self.selected_on.items()},
         }
 

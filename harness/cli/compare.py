@@ -38,6 +38,20 @@ def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
     "on PROFILE, where --profile measures it too) with the step times of a short trace run on PROFILE. For links "
     "where AllReduce would take too long here; labelled 'composed' wherever it appears.",
 )
+@click.option(
+    "--regime",
+    metavar="TARGET",
+    help="Derive, when the study starts, a link as communication-bound as TARGET (paper-107b) from local measured "
+    "then (OUT/profiles/TARGET.yaml, reused when resumed), and run every method on it: end to end where the link "
+    "model predicts the run within --measure-limit here, composed otherwise (AllReduce, typically), each row "
+    "labelled.",
+)
+@click.option(
+    "--measure-limit",
+    "measure_limit_min",
+    type=click.FloatRange(min=0, min_open=True),
+    help="With --regime: minutes a run may be predicted to take on its link and still run end to end [default: 30].",
+)
 @click.option("--seeds", default="0", show_default=True, help="Comma-separated seeds.")
 @set_option(
     "A setting (repeatable): KEY=VALUE for every method that has it (or every run: a training or cluster setting), "
@@ -80,6 +94,8 @@ def compare(
     methods,
     profiles,
     composed,
+    regime,
+    measure_limit_min,
     seeds,
     assignments,
     method_steps,
@@ -103,7 +119,8 @@ def compare(
     A --composed link's times are an estimate, labelled "composed" in the table, the summaries, OUT/compare.csv,
     OUT/compare.json and the figures: a link's trajectory does not depend on its rate, so a full run elsewhere is
     composed with a short trace on that link (OUT/traces/; docs/comparisons.md says how, and when a trace is
-    flagged as unsteady). A link given both ways also prints composed vs measured. Writes OUT/compare.md,
+    flagged as unsteady). A link given both ways also prints composed vs measured. --regime derives its link when
+    the study starts and measures there every method that finishes within --measure-limit. Writes OUT/compare.md,
     OUT/compare.csv, OUT/compare.json and OUT/figures/; rerunning the command resumes it.
     """
     from harness.analysis.experiments.compare import run_compare, validate_compare
@@ -124,6 +141,8 @@ def compare(
         method_steps=parse_method_steps(method_steps),
         target_loss=target_loss,
         selected_on=parse_selected_on(selected_on),
+        regime=regime,
+        measure_limit_s=None if measure_limit_min is None else 60 * measure_limit_min,
     )
     validate_compare(spec)
     print_warnings(spec.warnings())

@@ -12,6 +12,14 @@ beside it:
                                        (harness/analysis/projection/composition.py)
     OUT/compare.json, compare.md, compare.csv, figures/   (harness/analysis/report/compare.py, compare_figures.py)
 
+    OUT/profiles/<target>.yaml, .json   with --regime: the link derived for the published regime when the study
+                                       started (harness/analysis/experiments/regime.py), reused when it resumes
+
+With --regime the comparison derives its link first, from `local` measured then, so the study runs at the regime it
+claims; on that link every method whose run the link model predicts to take at most --measure-limit here is
+measured end to end, and the rest (AllReduce, typically) are composed from a trace on it and their full runs on the
+first link measured whole (a split link: CompareSpec.composed_methods).
+
 What is found in it: harness/analysis/report/time_to_target.py. Rerunning the same command resumes both sweeps
 (finished runs are skipped) and writes the outputs again.
 """
@@ -19,19 +27,60 @@ What is found in it: harness/analysis/report/time_to_target.py. Rerunning the sa
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
+from harness.analysis.experiments.regime import check_request, regime_profile
 from harness.analysis.experiments.sweep import IndexRow, SilentObserver, SweepObserver, run_sweep
-from harness.analysis.plan import TRACES_DIR, Combination, CompareSpec
+from harness.analysis.plan import TRACES_DIR, TRAJECTORY_PROFILE, Combination, CompareSpec
+from harness.analysis.projection.link_model import LinkModel, ProjectionError, default_window_bytes, schedule
 from harness.analysis.report.time_to_target import Comparison, analyse
 from harness.run import runner
+
+# --measure-limit's default: a run predicted to take longer on the regime link is composed instead.
+MEASURE_LIMIT_S = 1800.0
 
 
 def validate_compare(spec: CompareSpec) -> None:
     """CompareSpec.validate, and every run's link checked against what this machine can emulate (as
-    experiments/sweep.py's validate_sweep)."""
+    experiments/sweep.py's validate_sweep). A --regime link still to be derived is stood in for by an unshaped one,
+    so a typo costs nothing."""
+    if spec.regime is not None and not spec.predicted_run_s:
+        check_request(spec.regime, spec.settings)
+        spec = dataclasses.replace(spec, profiles=(*spec.profiles, TRAJECTORY_PROFILE))
     spec.validate(link_check=runner.resolve_link_emulator)
+
+
+def predicted_run_s(spec: CompareSpec, method: str, profile: str, compute_s: float) -> float:
+    """The link model's time for `method`'s full run on `profile` at `compute_s` a step (harness/analysis/projection/
+    link_model.py): what decides whether it is measured there. A step's compression is left out, so it errs short."""
+    one = dataclasses.replace(spec, profiles=(profile,), composed=(), composed_methods={})
+    config = one.full_sweep().config(Combination(method, profile, spec.seeds[0]))
+    steps = config.train.steps
+    try:
+        plan = schedule(config, LinkModel.of(config.profile, config.clusters, window_bytes=default_window_bytes()))
+    except ProjectionError:  # local: nothing crosses the link
+        return steps * compute_s
+    return plan.window_s(compute_s, compute_s, steps, 0)
+
+
+def with_regime_link(spec: CompareSpec, out: Path, force: bool, measure_limit_s: float) -> CompareSpec:
+    """`spec` with its --regime link derived (or the one derived when the study started) and split: measured for
+    the methods predicted to finish within `measure_limit_s`, composed for the others (module doc)."""
+    path, _ = regime_profile(spec.regime, dict(spec.settings), out, force)
+    compute_s = float(json.loads(path.with_suffix(".json").read_text())["compute_s"])
+    link = str(path)
+    predicted = {m: predicted_run_s(spec, m, link, compute_s) for m in spec.methods}
+    slow = tuple(m for m in spec.methods if predicted[m] > measure_limit_s)
+    return dataclasses.replace(
+        spec,
+        profiles=(*spec.profiles, link),
+        composed=(*spec.composed, link) if slow else spec.composed,
+        composed_methods={**spec.composed_methods, link: slow} if slow else spec.composed_methods,
+        predicted_run_s=predicted,
+        measure_limit_s=measure_limit_s,
+    )
 
 
 def run_compare(
@@ -44,10 +93,14 @@ def run_compare(
     """Run what is not finished yet and compare it; report/compare.py's write_outputs writes the comparison's
     files.
 
-    Seed by seed, as a sweep goes: one seed's full runs (round-robin over profiles and methods), then its traces, so
-    a trace runs close in time to the full runs it is checked against on a machine whose speed drifts.
+    With --regime (spec.regime), its link is derived first (with_regime_link). Seed by seed, as a sweep goes: one
+    seed's full runs (round-robin over profiles and methods), then its traces, so a trace runs close in time to the
+    full runs it is checked against on a machine whose speed drifts.
     """
     validate_compare(spec)
+    if spec.regime is not None and not spec.predicted_run_s:
+        spec = with_regime_link(spec, out, force, spec.measure_limit_s or MEASURE_LIMIT_S)
+        validate_compare(spec)
     traces = spec.trace_sweep()
     total = len(spec.full_sweep().combinations()) + (len(traces.combinations()) if traces is not None else 0)
     counted = _Counted(observer or SilentObserver(), total)

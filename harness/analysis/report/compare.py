@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.analysis.plan import BASELINE, CEILING, TRACES_DIR
+from harness.analysis.plan import BASELINE, CEILING, TRACES_DIR, profile_name
 from harness.analysis.projection.composition import MIN_ROUNDS, MIN_STEADY_STEPS, STEADY_TOLERANCE, Cadence
 from harness.analysis.projection.regime import REGIME_TOLERANCE
 from harness.analysis.report.markdown import (
@@ -215,6 +215,25 @@ def regime_note(group: pd.DataFrame) -> str | None:
     )
 
 
+def split_note(comparison: Comparison, profile: str) -> str | None:
+    """On a --regime link split between measured and composed methods: which are which, and why."""
+    spec = comparison.spec
+    link = spec.regime_link
+    if link is None or profile_name(link) != profile:
+        return None
+    composed = spec.composed_methods.get(link, ())
+    limit_min = (spec.measure_limit_s or 0) / 60
+    hours = ", ".join(f"{m} {spec.predicted_run_s[m] / 3600:.1f} h" for m in composed)
+    how = (
+        f"composed: {', '.join(composed)} (the link model predicts {hours} end to end here, over --measure-limit "
+        f"{limit_min:g} min); every other method measured end to end, and its speed-up divides a composed AllReduce "
+        "time by a measured one"
+        if composed
+        else "every method measured end to end"
+    )
+    return f"Derived for --regime {spec.regime} when this study started, from local measured then; {how}."
+
+
 def _profile_notes(group: pd.DataFrame) -> list[str]:
     notes = [note] if (note := control_note(group)) else []
     if note := regime_note(group):
@@ -263,6 +282,8 @@ def compare_markdown(comparison: Comparison, command: str | None = None) -> str:
         hows = " and ".join(dict.fromkeys(group["how"]))
         text = f"## {profile} ({hows})\n\n" + markdown_table(HEADER, [_row(r) for _, r in group.iterrows()], 2)
         notes = _profile_notes(group)
+        if note := split_note(comparison, profile):
+            notes.insert(0, note)
         parts.append(text + ("\n\n" + " ".join(notes) if notes else "") + "\n")
     validation = validation_table(comparison)
     if validation:

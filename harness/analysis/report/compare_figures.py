@@ -7,7 +7,7 @@ and how:
                               legend below the axes; wall-clock on a log axis where methods end 10x apart (figure_
                               style.LOG_TIME_RATIO). For a composed profile the wall-clock is the composed estimate
                               (harness/analysis/projection/composition.py), and the title and every legend entry say
-                              so.
+                              so; on a --regime link split between the two (compare-<profile>-split), each line.
 
 A method keeps its colour across figures; the style every figure shares: harness/analysis/report/figure_style.py.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from harness.analysis.plan import CEILING
+from harness.analysis.plan import CEILING, profile_name
 from harness.analysis.report.figure_style import (
     GRID_ALPHA,
     LOSS_FIGSIZE,
@@ -29,7 +29,7 @@ from harness.analysis.report.figure_style import (
     save,
     variant_colors,
 )
-from harness.analysis.report.time_to_target import COMPOSED, Comparison
+from harness.analysis.report.time_to_target import COMPOSED, MEASURED, SPLIT, Comparison
 
 
 def target_loss_figure(
@@ -47,7 +47,7 @@ def target_loss_figure(
         # The evaluation before training (at 0 s) has no place on a log axis.
         timed = mean["elapsed_s"] > 0 if logarithmic else mean["elapsed_s"].notna()
         n = mine["seed"].nunique()
-        label = f"{variant} ({how}, n={n}" + (", band ± 1 std)" if n >= 2 else ", no band)")
+        label = f"{variant} ({mine['how'].iloc[0]}, n={n}" + (", band ± 1 std)" if n >= 2 else ", no band)")
         control = mine["method"].iloc[0] == CEILING
         label += ": the control, no communication" if control else ""
         # The control is drawn apart (dashed): one replica that never synchronized, not a trained global model.
@@ -61,7 +61,9 @@ def target_loss_figure(
     for ax in (by_tokens, by_time):
         ax.axhline(target, color="black", linestyle=":", linewidth=1.0, label=f"target {target:.3f}{source}")
         ax.grid(alpha=GRID_ALPHA)
-    clock = "composed estimate: trajectory x trace" if how == COMPOSED else "measured"
+    clock = {COMPOSED: "composed estimate: trajectory x trace", MEASURED: "measured"}.get(
+        how, "composed where labelled"
+    )
     by_time.set_xlabel(f"training wall-clock (s{', log scale' if logarithmic else ''}, evaluation excluded; {clock})")
     if logarithmic:
         by_time.set_xscale("log")
@@ -69,6 +71,8 @@ def target_loss_figure(
     handles, labels = by_tokens.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=9, title="method (how, n seeds)")
     title = f"Validation loss on {profile} ({how}" + (": an estimate, not a measurement)" if how == COMPOSED else ")")
+    if how not in (COMPOSED, MEASURED):
+        title = f"Validation loss on {profile} (measured; composed estimates where labelled)"
     fig.suptitle(f"{title}\nmean over each method's seeds; band ± 1 std where n ≥ 2")
     return fig
 
@@ -78,8 +82,15 @@ def write_figures(comparison: Comparison, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     curves = comparison.curves
     colors = variant_colors(list(dict.fromkeys(comparison.rows["variant"])))
+    split = {profile_name(p) for p in comparison.spec.composed_methods}
     paths = []
     for (profile, how), mine in curves.groupby(["profile", "how"], sort=False):
-        fig = target_loss_figure(mine, profile, how, comparison.target_loss, colors, comparison.target_label)
-        paths += save(fig, out, f"compare-{profile}-{how}")
+        if profile not in split:
+            fig = target_loss_figure(mine, profile, how, comparison.target_loss, colors, comparison.target_label)
+            paths += save(fig, out, f"compare-{profile}-{how}")
+    # A link split between measured and composed methods: one figure, each line labelled with how it was got.
+    for profile in split:
+        mine = curves[curves["profile"] == profile]
+        fig = target_loss_figure(mine, profile, SPLIT, comparison.target_loss, colors, comparison.target_label)
+        paths += save(fig, out, f"compare-{profile}-{SPLIT}")
     return paths

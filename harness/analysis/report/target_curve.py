@@ -16,10 +16,10 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from harness.analysis.plan import BASELINE
+from harness.analysis.plan import BASELINE, profile_name
 from harness.analysis.report.aggregates import ratio, reach, spread_columns
 from harness.analysis.report.figure_style import GRID_ALPHA, save, variant_colors
-from harness.analysis.report.time_to_target import Comparison, loss_at_tokens
+from harness.analysis.report.time_to_target import SPLIT, Comparison, loss_at_tokens
 
 POINTS = 12  # targets per profile: enough to see the curve's shape, few enough to read in the CSV
 
@@ -44,9 +44,13 @@ def _speeds(curves: pd.DataFrame, target: float) -> pd.DataFrame:
 
 
 def speedup_curve(comparison: Comparison, points: int = POINTS) -> pd.DataFrame:
-    """One row per (profile, how, variant, target): the speed-up over AllReduce to that target (module doc)."""
+    """One row per (profile, how, variant, target): the speed-up over AllReduce to that target (module doc). `panel`
+    is the row's how, or "split" on a link where some methods are measured and the others composed (AllReduce among
+    them): one figure holds both."""
     rows = []
-    for (profile, how), curves in comparison.curves.groupby(["profile", "how"], sort=False):
+    split = {profile_name(p) for p in comparison.spec.composed_methods}
+    panels = comparison.curves["how"].where(~comparison.curves["profile"].isin(split), SPLIT)
+    for (profile, panel), curves in comparison.curves.groupby(["profile", panels], sort=False):
         allreduce = curves[curves["method"] == BASELINE]
         if allreduce.empty:
             continue
@@ -58,7 +62,8 @@ def speedup_curve(comparison: Comparison, points: int = POINTS) -> pd.DataFrame:
                 rows.append(
                     {
                         "profile": profile,
-                        "how": how,
+                        "how": mine["how"].iloc[0],
+                        "panel": panel,
                         "variant": variant,
                         "method": mine["method"].iloc[0],
                         "target_loss": float(target),
@@ -77,7 +82,7 @@ def speedup_curve_figures(curve: pd.DataFrame, target_loss: float, out: Path) ->
     if curve.empty:
         return paths
     colors = variant_colors(list(dict.fromkeys(curve["variant"])))
-    for (profile, how), mine in curve.groupby(["profile", "how"], sort=False):
+    for (profile, how), mine in curve.groupby(["profile", "panel"], sort=False):
         fig = Figure(figsize=(8, 4.5))
         ax = fig.subplots()
         for variant, points in mine.groupby("variant", sort=False):

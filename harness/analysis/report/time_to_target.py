@@ -56,6 +56,7 @@ from harness.analysis.report.tables import RunTables, eval_curve, load_runs
 from harness.run.folder import RunPaths
 
 MEASURED, COMPOSED = "measured", "composed"
+SPLIT = "split"  # a link where some methods are measured and the others composed (CompareSpec.composed_methods)
 # Per-run figures aggregated with their spread into each row (module doc).
 FIGURES = ("time_to_target_s", "tokens_to_target", "tokens_per_s", "wire_bytes_per_token", "final_val_loss")
 
@@ -289,10 +290,14 @@ def _order(methods: Sequence[str]) -> dict[str, int]:
 def _rows(spec: CompareSpec, runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
     order = _order(spec.methods)
     profiles = {profile_name(p): i for i, p in enumerate(dict.fromkeys([*spec.profiles, *spec.composed]))}
+    split = {profile_name(p) for p in spec.composed_methods}
     rows = []
     for (profile, how), group in runs.groupby(["profile", "how"], sort=False):
-        mine = curves[(curves["profile"] == profile) & (curves["how"] == how)]
-        for _, variant_runs in group.groupby("variant", sort=False):
+        # On a split link each method is either measured or composed: AllReduce and local are found in either.
+        if profile in split:
+            group = runs[runs["profile"] == profile]
+        mine = curves[(curves["profile"] == profile) & ((curves["how"] == how) | (profile in split))]
+        for _, variant_runs in group[group["how"] == how].groupby("variant", sort=False):
             rows.append(_variant_row(spec, variant_runs.sort_values("seed"), group, mine))
     table = pd.DataFrame(rows)
     keys = pd.DataFrame(
@@ -309,7 +314,8 @@ def _validation(spec: CompareSpec, runs: pd.DataFrame) -> pd.DataFrame:
     """Per profile both measured and composed, per variant: the two times to target and composed / measured, paired
     per seed."""
     rows = []
-    for profile in (profile_name(p) for p in spec.composed if p in spec.profiles):
+    both = (profile_name(p) for p in spec.composed if p in spec.profiles and p not in spec.composed_methods)
+    for profile in both:
         mine = runs[runs["profile"] == profile]
         for variant, both in mine.groupby("variant", sort=False):
             measured, composed = both[both["how"] == MEASURED], both[both["how"] == COMPOSED]

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from harness import cli
+from harness.analysis.experiments import compare as compare_experiment
 from harness.analysis.experiments.compare import run_compare
 from harness.analysis.experiments.sweep import run_sweep
 from harness.analysis.plan import Combination, CompareError, SweepError, SweepSpec, parse_method_steps
@@ -179,3 +180,59 @@ def test_compare_runs_the_control_by_default_and_flags_a_target_it_reaches(tmp_p
     assert calls == ["allreduce-1gbps-s0", "opendiloco-1gbps-s0", "local-1gbps-s0"]
     assert "local reaches the target (1 of 1 seeds, measured) without ever communicating" in shown.output
     assert json.loads((tmp_path / "compare.json").read_text())["target"]["reached_by_control"] == ["1gbps"]
+
+
+def test_regime_derives_its_link_first_and_composes_only_what_would_not_finish(tmp_path, monkeypatch):
+    """--regime: the link comes first (here a stand-in of 5 Mbit/s with 10 ms of compute a step), then every method
+    the link model predicts to finish within --measure-limit runs on it end to end; AllReduce (40 steps of 3.5 MB at
+    4.7 Mbit/s of goodput: ~4 minutes) is composed from a trace there and its full run on 1gbps."""
+    derived: list[str] = []
+
+    def regime_profile(target, settings, out, force):
+        path = out / "profiles" / f"{target}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("description: stand-in\ninter_cluster:\n  rate: 5mbit\n")
+        path.with_suffix(".json").write_text(json.dumps({"compute_s": 0.01, "target_r": 357.5}))
+        derived.append(target)
+        return path, None
+
+    calls: list[str] = []
+
+    def run(config, out, on_progress=None):
+        calls.append(f"{out.parent.parent.name}/{out.name}")
+        # The derived link is a file: its runs name it by path, as the real ones do.
+        profile = config.profile.source if config.profile.name == "paper-107b" else config.profile.name
+        fake_run(out.parent, Combination(config.method, profile, config.train.seed), config.train.steps)
+        return json.loads((out / "summary.json").read_text())
+
+    monkeypatch.setattr(compare_experiment, "regime_profile", regime_profile)
+    monkeypatch.setattr(runner, "run", run)
+    args = ["compare", "--methods", "allreduce,opendiloco", "--profile", "1gbps", "--regime", "paper-107b",
+            "--measure-limit", "1", "--seeds", "0", "--steps", "40", "--set", "opendiloco.local_steps=10",
+            "--out", str(tmp_path)]  # fmt: skip
+    shown = CliRunner().invoke(cli.main, args)
+    assert shown.exit_code == 0, shown.output
+    assert derived == ["paper-107b"]
+    here = tmp_path.name
+    assert calls == [f"{here}/allreduce-1gbps-s0", f"{here}/opendiloco-1gbps-s0", f"{here}/local-1gbps-s0",
+                     f"{here}/opendiloco-paper-107b-s0", f"{here}/local-paper-107b-s0",
+                     "traces/allreduce-paper-107b-s0"]  # fmt: skip
+    document = json.loads((tmp_path / "compare.json").read_text())
+    assert document["settings"]["composed_methods"] == {"paper-107b": ["allreduce"]}
+    predicted = document["settings"]["predicted_run_s"]
+    assert predicted["allreduce"] == pytest.approx(40 * (0.01 + 8 * 3_502_080 / (5e6 * 0.94)), rel=0.01)
+    rows = {(r["method"], r["how"]): r for p in document["profiles"] if p["profile"] == "paper-107b" for r in p["rows"]}
+    assert set(rows) == {("allreduce", "composed"), ("opendiloco", "measured"), ("local", "measured")}
+    # The measured opendiloco's speed-up divides the composed AllReduce's time by its own, paired per seed.
+    assert rows[("opendiloco", "measured")]["speedup_pairing"] == "paired"
+    assert rows[("opendiloco", "measured")]["speedup"] > 1
+    note = "Derived for --regime paper-107b when this study started, from local measured then; composed: allreduce"
+    assert note in " ".join(shown.output.split())
+    assert (tmp_path / "figures" / "compare-paper-107b-split.png").is_file()
+    again = CliRunner().invoke(cli.main, args)
+    assert again.exit_code == 0 and len(calls) == 6 and derived == ["paper-107b"] * 2  # resumed: the link reused
+
+
+def test_measure_limit_without_regime_is_refused():
+    with pytest.raises(CompareError, match="--measure-limit applies only with --regime"):
+        spec_of(measure_limit_s=60.0).validate()

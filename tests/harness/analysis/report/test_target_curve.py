@@ -37,7 +37,9 @@ def test_each_variants_speed_up_is_allreduces_time_over_its_own_paired_per_seed(
         *_curves("fast", (4.0, 3.0, 2.0, 1.0), (0.5, 1.0, 1.5, 2.0)),  # the same losses in half the time
         *_curves("loose", (4.0, 3.5, 3.0, 2.5), (1, 2, 3, 4)),  # reaches 3.0 a step later, 2.0 never
     ]
-    curve = speedup_curve(SimpleNamespace(curves=pd.DataFrame(rows)), points=4)
+    curve = speedup_curve(
+        SimpleNamespace(curves=pd.DataFrame(rows), spec=SimpleNamespace(composed_methods={})), points=4
+    )
     at = curve.set_index(["variant", "target_loss"])
     for target in (4.0, 3.0, 2.0, 1.0):
         assert at.loc[("fast", target), "speedup"] == pytest.approx(2.0)
