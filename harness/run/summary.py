@@ -27,6 +27,11 @@ from trainers.models import count_parameters
 
 SUMMARY_SCHEMA = 1
 
+# What a run imports or reads of the checkout. Only these decide `git_dirty`: a study that writes its results into
+# the checkout (results/) must not mark its own later runs as made from changed code.
+CODE_PATHS = ("harness", "trainers", "netem_profiles", "compose", "pyproject.toml")
+CHECKOUT = Path(__file__).resolve().parents[2]
+
 
 def _version(package: str) -> str | None:
     try:
@@ -35,8 +40,7 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _git(*args: str) -> str | None:
-    repo = Path(__file__).resolve().parents[2]
+def _git(*args: str, repo: Path = CHECKOUT) -> str | None:
     try:
         # Without root the harness runs as root of its own user namespace, where the checkout's owner is unmapped
         # and git refuses it as of "dubious ownership": this is our own code, read-only.
@@ -47,12 +51,17 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def code_dirty(repo: Path = CHECKOUT) -> bool | None:
+    """Whether the checkout's code (CODE_PATHS) differs from its commit; None where git cannot tell."""
+    changes = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS, repo=repo)
+    return bool(changes) if changes is not None else None
+
+
 def environment(extra: dict[str, Any]) -> dict[str, Any]:
     """What the numbers depend on: code version, packages, kernel, machine; plus the backend's own record."""
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(dirty) if dirty is not None else None,
+        "git_dirty": code_dirty(),
         "python": platform.python_version(),
         "packages": {p: _version(p) for p in ("harness", "torch", "numpy", "pyroute2", "click")},
         "kernel": platform.release(),

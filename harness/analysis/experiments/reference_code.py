@@ -28,9 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness.analysis.gate.bands import Baseline, BaselineError, sweep_command
+from harness.run.summary import CODE_PATHS
 
-# What a run imports or reads of the checkout: a copy of these runs as the checkout does.
-CODE_PATHS = ("harness", "trainers", "netem_profiles", "compose", "pyproject.toml")
 CHECKOUT = Path(__file__).resolve().parents[3]
 COMMIT_FILE = "COMMIT"  # in the copy: which commit it is, so a resumed check reuses it
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import harness
-from harness.run.summary import environment, summarize
+from harness.run.summary import code_dirty, environment, summarize
 
 REPO = Path(harness.__file__).resolve().parent.parent
 
@@ -67,3 +67,25 @@ def test_a_run_whose_events_are_damaged_still_gets_a_failed_summary_naming_the_f
     summary = summarize(RunConfig.load(paths.config), run, None, {})
     assert summary["status"] == "failed"
     assert str(paths.events(0)) in summary["failure"] and "line 2" in summary["failure"]
+
+
+def test_only_changed_code_marks_a_run_dirty(tmp_path):
+    """A study writes its results into the checkout; resuming it there must not call its own runs dirty."""
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "results").mkdir()
+    (tmp_path / "harness" / "method.py").write_text("lr = 1\n")
+    (tmp_path / "results" / "compare.md").write_text("old\n")
+    (tmp_path / "README.md").write_text("old\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code and results")
+    assert code_dirty(tmp_path) is False
+    (tmp_path / "results" / "compare.md").write_text("regenerated\n")
+    (tmp_path / "README.md").write_text("new row\n")
+    assert code_dirty(tmp_path) is False
+    (tmp_path / "harness" / "method.py").write_text("lr = 2\n")
+    assert code_dirty(tmp_path) is True
