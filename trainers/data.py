@@ -162,17 +162,7 @@ def load_corpus(
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}.")
     spec = parse_tokenizer(tokenizer)
-    if path is None:
-        root, files = _stdlib_files()
-        name = f"python-stdlib {sys.version.split()[0]} ({root})"
-    else:
-        root = Path(path).expanduser()
-        if not root.exists():
-            raise ValueError(f"data path '{root}' does not exist; pass an existing text file or directory.")
-        files = source_files(root)
-        name = str(root)
-
-    read = _read_documents(files, max_bytes, text_field)[0]
+    name, files, read = _documents(path, max_bytes, text_field)
     docs = [data for _, data in read]
     total = sum(map(len, docs))
     if total == 0:
@@ -181,7 +171,7 @@ def load_corpus(
     train_bytes, val_bytes = _joined_length(train_docs), _joined_length(val_docs)
     if train_bytes < 2 or val_bytes < 2:
         raise ValueError(f"{name} holds only {total} bytes of text, too few to split; pass a larger corpus.")
-    sha256 = hashlib.sha256(DOC_SEPARATOR.join(docs)).hexdigest()
+    sha256 = _sha256(docs)
     encoded = encode_corpus(spec, train_docs, val_docs, sha256, DOC_SEPARATOR)
 
     capped = f", capped at {max_bytes / 2**20:.1f} MiB" if total == max_bytes else ""
@@ -202,6 +192,31 @@ def load_corpus(
         tokenizer=encoded.description,
         tokenizer_sha256=encoded.sha256,
     )
+
+
+def _documents(
+    path: str | None, max_bytes: int, text_field: str
+) -> tuple[str, list[Path] | tuple[Path, ...], list[tuple[Path, bytes]]]:
+    """What load_corpus reads: the corpus's name, its files, and the documents read from them in order."""
+    if path is None:
+        root, files = _stdlib_files()
+        name = f"python-stdlib {sys.version.split()[0]} ({root})"
+    else:
+        root = Path(path).expanduser()
+        if not root.exists():
+            raise ValueError(f"data path '{root}' does not exist; pass an existing text file or directory.")
+        files = source_files(root)
+        name = str(root)
+    return name, files, _read_documents(files, max_bytes, text_field)[0]
+
+
+def _sha256(docs: list[bytes]) -> str:
+    return hashlib.sha256(DOC_SEPARATOR.join(docs)).hexdigest()
+
+
+def corpus_sha256(path: str | None, text_field: str = TEXT_FIELD) -> str:
+    """The hash load_corpus gives the corpus at `path` (Corpus.sha256) without encoding it: what the run read."""
+    return _sha256([data for _, data in _documents(path, MAX_BYTES, text_field)[2]])
 
 
 def _joined_length(docs: list[bytes]) -> int:

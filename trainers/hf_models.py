@@ -92,6 +92,14 @@ def load_config(name: str) -> HFModelConfig:
             "hf extra (pip install -e '.[hf]') or use a built-in model such as tiny"
         ) from None
     _quiet_transformers()
+    from transformers import CONFIG_MAPPING, __version__
+
+    if fields["model_type"] not in CONFIG_MAPPING:
+        # transformers' own error lists every type it knows: 12 KB for one wrong word.
+        raise ValueError(
+            f"model config {str(config_path)!r} has model_type {fields['model_type']!r}, which transformers "
+            f"{__version__} does not know; use a causal LM type it has, such as llama, qwen2, opt or gpt2"
+        )
     try:
         # Fills the defaults a saved config may leave out (OPT's word_embed_proj_dim, Qwen2's rope settings).
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)

@@ -151,6 +151,7 @@ class _RunCommand(_RecordsSignals, WithSettings):
 def run(ctx, method, profile, out, assignments, config_file, **settings):
     """Train one method on the emulated cluster and write a results folder."""
     from harness.run import runner
+    from harness.run.inputs import check_unchanged
     from harness.run.settings import parse_assignments, run_settings, settings_from_file
 
     signals = ctx.meta[_SignalsBeforeTheRun]
@@ -168,6 +169,11 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
         given = {k: v for k, v in settings.items() if v is not None}
     method_settings = run_settings(method, parse_assignments(assignments))
     config = RunConfig.build(method, profile, **{**base, **given, **method_settings})
+    if config_file is not None:
+        overridden = {"model_config", "model_checkpoint"} if "model" in given else set()
+        overridden |= {k for k in ("data", "tokenizer") if k in given}
+        recorded = {k: v for k, v in from_file.inputs.items() if k not in overridden}
+        check_unchanged(recorded, config.train, config_file)
     try:
         checked = runner.validate(config, out)
     except KeyboardInterrupt:  # from work validation does in a child process (harness/process.py)

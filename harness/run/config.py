@@ -25,6 +25,7 @@ from harness.net.topology import Topology
 from harness.net.trace import replays_rate
 from harness.process import run_interruptibly
 from harness.run.faults import Fault, check_faults, parse_fault
+from harness.run.inputs import absolute_paths, input_record
 from harness.run.memory import available_bytes, check_fits
 from trainers.config import OptimConfig, TrainConfig
 from trainers.tokenizer import BYTES
@@ -255,7 +256,8 @@ class RunConfig:
         return data
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2))
+        """config.json: the config, and the hashes of the files outside the repository it reads (inputs.py)."""
+        path.write_text(json.dumps({**self.to_dict(), "inputs": input_record(self.train)}, indent=2))
 
     @classmethod
     def build(
@@ -284,7 +286,7 @@ class RunConfig:
         train_keys = {f.name for f in dataclasses.fields(TrainConfig)} - {"optim"}
         train_settings = {k: settings.pop(k) for k in list(settings) if k in train_keys}
         optim = OptimConfig(lr=settings.pop("lr")) if "lr" in settings else OptimConfig()
-        train = TrainConfig(**train_settings, optim=optim)
+        train = absolute_paths(TrainConfig(**train_settings, optim=optim))
         if "throughput_warmup_steps" not in train_settings and train.throughput_warmup_steps >= train.steps:
             train = dataclasses.replace(train, throughput_warmup_steps=train.steps // 10)
         return cls(
@@ -312,6 +314,7 @@ class RunConfig:
         optim = train.pop("optim")
         optim["betas"] = tuple(optim["betas"])
         data["faults"] = tuple(data.get("faults", ()))
+        data.pop("inputs", None)
         # What the user gave is the config's input; a config.json older than method_options_given holds only that.
         data["method_options"] = data.pop("method_options_given", data.get("method_options", {}))
         return cls(profile=profile, train=TrainConfig(optim=OptimConfig(**optim), **train), **data)

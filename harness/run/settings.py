@@ -204,7 +204,9 @@ def settings_markdown(methods: Sequence[str]) -> str:
 
 
 # Keys of a config.json that describe the run that was, not a setting of the next one.
-RECORD_ONLY_KEYS = frozenset({"run_id", "run_key", "collective_timeout_s", "method_options_given", "calibrate"})
+RECORD_ONLY_KEYS = frozenset(
+    {"run_id", "run_key", "collective_timeout_s", "method_options_given", "calibrate", "inputs"}
+)
 FILE_RUN_KEYS = ("clusters", "stages", "backend", "gpus", "link_emulator", "faults", "tensorboard")
 
 
@@ -212,6 +214,7 @@ class FileSettings(NamedTuple):
     method: str
     profile: Any  # a profile name or path, or a Profile (a config.json records the whole profile)
     settings: dict[str, Any]  # RunConfig.build's flat settings
+    inputs: dict[str, Any] = {}  # a config.json's record of the files it read (harness/run/inputs.py)
 
 
 def settings_from_file(path: Any) -> FileSettings:
@@ -261,7 +264,12 @@ def settings_from_file(path: Any) -> FileSettings:
     settings.update(train)
     settings.update(data.get("method_options") or {})
     profile = data["profile"]
-    return FileSettings(data["method"], Profile.from_dict(profile) if isinstance(profile, dict) else profile, settings)
+    return FileSettings(
+        data["method"],
+        Profile.from_dict(profile) if isinstance(profile, dict) else profile,
+        settings,
+        data.get("inputs") or {},
+    )
 
 
 def _as_tuple(value: Any) -> tuple:

@@ -111,15 +111,17 @@ def test_a_config_json_file_is_a_model_too(tmp_path):
         ("{tmp}", ["has no config.json", "save the transformers config into it"]),
         ("{tmp}/bad.json", ["is not readable JSON", "fix or replace it"]),
         ("{tmp}/untyped.json", ["has no model_type", "config.save_pretrained"]),
+        ("{tmp}/unknown.json", ["has model_type 'nosuch', which transformers", "such as llama, qwen2"]),
     ],
 )
 def test_an_unusable_config_is_refused_in_one_sentence(name, fragments, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "untyped.json").write_text(json.dumps({"hidden_size": 64}))
+    (tmp_path / "unknown.json").write_text(json.dumps({"model_type": "nosuch", "hidden_size": 64}))
     with pytest.raises(ValueError) as err:
         get_model_config(name.replace("{tmp}", str(tmp_path)))
     assert all(f in str(err.value) for f in fragments), str(err.value)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400
 
 
 def test_the_tokenizer_must_fit_the_models_vocabulary(tmp_path):

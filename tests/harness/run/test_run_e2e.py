@@ -40,6 +40,10 @@ def test_allreduce_trains_and_counts_its_bytes_on_the_wire(tmp_path):
     environment = json.loads((out / "environment.json").read_text())
     shaped = [q for q in environment["kernel_qdiscs"] if q["kind"] == "tbf"]
     assert len(shaped) == 4 and all(q["rate_bps"] == 10**9 for q in shaped)
+    # config.json names the corpus the ranks really read: its hash is the one each rank logged at start.
+    recorded = json.loads((out / "config.json").read_text())["inputs"]["data"]["sha256"]
+    starts = [json.loads(line) for line in (out / "events" / "rank0.jsonl").read_text().splitlines()]
+    assert recorded == next(e["corpus_sha256"] for e in starts if e.get("kind") == "start")
     assert leftovers(before, run_marker(out)) == {}
 
 
