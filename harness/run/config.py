@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 # Fewer synchronizations than this and a DiLoCo-style run is mostly local training: warned before it starts.
 MIN_SYNCS = 3
+# Fewer evaluations than this (the one before training included) and the loss curve, and the time a method takes
+# to reach a target loss read from it, rest on a few points: warned before it starts. The defaults make 5. Runs
+# shorter than MIN_CURVE_STEPS are smoke tests whose curve nobody reads.
+MIN_EVALUATIONS = 5
+MIN_CURVE_STEPS = 100
 
 
 def default_collective_timeout_s() -> float:
@@ -217,6 +222,15 @@ class RunConfig:
             warnings.append(
                 f"--data-shift {self.train.data_shift} is not below --steps {self.train.steps}: the data never "
                 "shifts and each replica trains on one eighth of its shard; use a smaller --data-shift"
+            )
+        # One before training, one every eval_every steps, and one at the end when steps is not a multiple.
+        evaluations = 1 + math.ceil(self.train.steps / self.train.eval_every)
+        if evaluations < MIN_EVALUATIONS and self.train.steps >= MIN_CURVE_STEPS:
+            every = max(1, self.train.steps // (MIN_EVALUATIONS - 1))
+            warnings.append(
+                f"--steps {self.train.steps} with --eval-every {self.train.eval_every} evaluates the held-out loss "
+                f"only {evaluations} times: its curve and the time to reach a target loss are read at "
+                f"{self.train.eval_every}-step resolution; use --eval-every {every} or less"
             )
         cfg = self.method_config
         if self.clusters == 1 and self.method != "local":

@@ -13,3 +13,15 @@ def test_one_cluster_is_warned_about_for_every_method_that_exchanges_and_names_i
     assert "its settings" not in next(w for w in RunConfig.build("allreduce", "1gbps", clusters=1).warnings())
     assert not [w for w in RunConfig.build("local", "1gbps", clusters=1).warnings() if "--clusters 1" in w]
     assert not [w for w in RunConfig.build("dilocox", "1gbps", clusters=2).warnings() if "--clusters 1" in w]
+
+
+def test_a_run_evaluated_too_rarely_to_read_a_time_to_target_is_warned_about():
+    # 100 steps at the default eval_every 50: before training, at 50 and at 100.
+    (warning,) = [w for w in RunConfig.build("allreduce", "1gbps", steps=100).warnings() if "--eval-every" in w]
+    assert "evaluates the held-out loss only 3 times" in warning and warning.endswith("use --eval-every 25 or less")
+    # 110 steps: 0, 50, 100 and the last step; 200 at the default: 5 points, enough.
+    assert "only 4 times" in " ".join(RunConfig.build("allreduce", "1gbps", steps=110).warnings())
+    assert not [w for w in RunConfig.build("allreduce", "1gbps", steps=200).warnings() if "--eval-every" in w]
+    assert not [w for w in RunConfig.build("allreduce", "1gbps", steps=100, eval_every=25).warnings() if "eval" in w]
+    # A smoke test of a few steps is not told how to read a curve it does not have.
+    assert not [w for w in RunConfig.build("allreduce", "1gbps", steps=20).warnings() if "eval" in w]
