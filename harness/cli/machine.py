@@ -43,9 +43,10 @@ def cleanup(run_key: str | None, results_dirs: tuple[Path, ...]) -> None:
     from harness.cleanup import cleanup as cleanup_runs
 
     report = cleanup_runs(run_key, list(results_dirs) or None)
+    # What was removed first: a line saying what was not, printed before it, read as if nothing had been.
+    print_text(report.describe())
     for sentence in report.not_checked:
         print_text(sentence)
-    print_text(report.describe())
 
 
 @click.command("bench-cluster")

@@ -174,6 +174,20 @@ def test_the_report_reads_as_one_line():
     )
 
 
+def test_harness_cleanup_says_what_it_removed_before_what_it_could_not(monkeypatch):
+    from click.testing import CliRunner
+
+    from harness import cleanup as cleanup_module
+    from harness import cli
+
+    not_removed = ["results folder /x not removed (Permission denied)"]
+    report = CleanupReport(namespaces=["hx123456-c0"], not_checked=not_removed)
+    monkeypatch.setattr(cleanup_module, "cleanup", lambda run_key, results_dirs: report)
+    result = CliRunner().invoke(cli.main, ["cleanup"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [report.describe(), report.not_checked[0]]
+
+
 # --- the docker backend's cleanup, against a fake engine (no engine is needed) ---
 
 
