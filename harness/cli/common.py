@@ -88,6 +88,10 @@ class SweepProgress:
         status = f"loss {state['loss']:.3f}  link {format_rate(state['link_bps'])}" if "loss" in state else ""
         self.bars.update(self.run, completed=state["step"] + 1, total=state["total_steps"], status=status)
 
+    def note(self, line: str) -> None:
+        """A line of what the command is doing between runs (e.g. deriving a regime link)."""
+        self.bars.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
     def finished(self, row) -> None:
         if self.run is not None:
             self.bars.remove_task(self.run)

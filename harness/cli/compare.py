@@ -151,7 +151,7 @@ def compare(
     display = SweepProgress()
     try:
         with display.bars:
-            result = run_compare(spec, out, force=force, observer=display, command=command)
+            result = run_compare(spec, out, force=force, observer=display, command=command, progress=display.note)
     except SweepInterrupted as err:
         console.print(
             Text.assemble(("compare interrupted", "yellow"), f" ({err}); run the same command again to resume it")

@@ -72,7 +72,7 @@ def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, **
         print_warnings(spec.warnings())
     reexec_if_unprivileged()
     if regime is not None:
-        path, derived = regime_profile(regime, settings, out, force)
+        path, derived = regime_profile(regime, settings, out, force, progress=print_text)
         print_text(derived.describe() if derived else f"regime {regime}: reusing {path}")
         spec = dataclasses.replace(spec, profiles=(*spec.profiles, str(path)))
     display = SweepProgress()
@@ -114,7 +114,7 @@ def regime(target, out, **flags):
     check_request(target, settings)
     reexec_if_unprivileged()
     with tempfile.TemporaryDirectory(prefix="harness-regime-") as work:
-        derived = derive_regime(target, settings, Path(work))
+        derived = derive_regime(target, settings, Path(work), progress=print_text)
     path = write_regime_profile(derived, out or Path("results") / "profiles" / f"{target}-{derived.model}.yaml")
     print_text(derived.describe())
     print_text(f"profile: {path} (use it with --profile {path}); measurements: {path.with_suffix('.json')}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,17 @@ def predicted_run_s(spec: CompareSpec, method: str, profile: str, compute_s: flo
     return plan.window_s(compute_s, compute_s, steps, 0)
 
 
-def with_regime_link(spec: CompareSpec, out: Path, force: bool, measure_limit_s: float) -> CompareSpec:
+def with_regime_link(
+    spec: CompareSpec,
+    out: Path,
+    force: bool,
+    measure_limit_s: float,
+    progress: Callable[[str], None] = lambda line: None,
+) -> CompareSpec:
     """`spec` with its --regime link derived (or the one derived when the study started) and split: measured for
-    the methods predicted to finish within `measure_limit_s`, composed for the others (module doc)."""
-    path, _ = regime_profile(spec.regime, dict(spec.settings), out, force)
+    the methods predicted to finish within `measure_limit_s`, composed for the others (module doc). `progress` is
+    told of the derivation's measurements."""
+    path, _ = regime_profile(spec.regime, dict(spec.settings), out, force, progress=progress)
     compute_s = float(json.loads(path.with_suffix(".json").read_text())["compute_s"])
     link = str(path)
     predicted = {m: predicted_run_s(spec, m, link, compute_s) for m in spec.methods}
@@ -89,6 +97,7 @@ def run_compare(
     force: bool = False,
     observer: SweepObserver | None = None,
     command: str | None = None,
+    progress: Callable[[str], None] = lambda line: None,
 ) -> Comparison:
     """Run what is not finished yet and compare it; report/compare.py's write_outputs writes the comparison's
     files.
@@ -99,7 +108,7 @@ def run_compare(
     """
     validate_compare(spec)
     if spec.regime is not None and not spec.predicted_run_s:
-        spec = with_regime_link(spec, out, force, spec.measure_limit_s or MEASURE_LIMIT_S)
+        spec = with_regime_link(spec, out, force, spec.measure_limit_s or MEASURE_LIMIT_S, progress)
         validate_compare(spec)
     traces = spec.trace_sweep()
     total = len(spec.full_sweep().combinations()) + (len(traces.combinations()) if traces is not None else 0)

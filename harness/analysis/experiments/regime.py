@@ -28,6 +28,7 @@ from harness.analysis.projection.regime import (
 )
 from harness.run import runner
 from harness.run.folder import RunFolder
+from harness.units import format_rate
 from trainers.models import count_parameters, get_model_config
 
 # T_c: enough `local` steps that the median is steady (8 steps read 18.9 ms where the sweep's runs stepped in 13 ms).
@@ -72,14 +73,22 @@ def probe(rate_bps: int, settings: Mapping[str, Any], work_dir: Path, index: int
     return Probe(rate_bps, local["tokens_per_s"], allreduce["tokens_per_s"])
 
 
-def closed_loop(regime: Regime, measure: Callable[[int, int], Probe]) -> Regime:
+def closed_loop(
+    regime: Regime, measure: Callable[[int, int], Probe], progress: Callable[[str], None] = lambda line: None
+) -> Regime:
     """Correct the rate until the achieved R is within REGIME_TOLERANCE of the target (at most MAX_CORRECTIONS
-    probes; the closest one is kept if none is). T_comm scales as 1 / rate, so rate *= achieved R / target R."""
+    probes; the closest one is kept if none is). T_comm scales as 1 / rate, so rate *= achieved R / target R.
+    `progress` is told of each probe as it starts and ends."""
     target_r = regime.target.comm_to_compute
     probes: list[Probe] = []
     rate = regime.open_loop_rate_bps
     for index in range(MAX_CORRECTIONS):
+        progress(
+            f"probe {index + 1} of at most {MAX_CORRECTIONS}: {PROBE_LOCAL_STEPS} local and {PROBE_ALLREDUCE_STEPS} "
+            f"allreduce steps on {format_rate(rate)} (~{_probe_allreduce_s(regime, rate):,.0f} s of allreduce)"
+        )
         probes.append(measure(rate, index))
+        progress(f"probe {index + 1}: achieved R {probes[-1].achieved_r:.1f}, target {target_r:.1f}")
         if abs(probes[-1].achieved_r / target_r - 1) <= REGIME_TOLERANCE:
             break
         rate = round(rate * probes[-1].achieved_r / target_r)
@@ -88,9 +97,19 @@ def closed_loop(regime: Regime, measure: Callable[[int, int], Probe]) -> Regime:
     return dataclasses.replace(regime, probes=(*[p for p in probes if p is not best], best))
 
 
-def derive_regime(target_name: str, settings: Mapping[str, Any], work_dir: Path) -> Regime:
+def _probe_allreduce_s(regime: Regime, rate_bps: int) -> float:
+    return PROBE_ALLREDUCE_STEPS * (regime.compute_s + 8 * regime.payload_bytes / rate_bps)
+
+
+def derive_regime(
+    target_name: str,
+    settings: Mapping[str, Any],
+    work_dir: Path,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Regime:
     """Measure T_c with a `local` run in work_dir/measure-compute, derive the link (module doc), then correct it
-    closed-loop against short `local` and `allreduce` runs on it; writes work_dir/regime.json."""
+    closed-loop against short `local` and `allreduce` runs on it; writes work_dir/regime.json. `progress` is told
+    of each measurement, one line each (the probes on a slow link take minutes)."""
     target = get_target(target_name)
     work_dir.mkdir(parents=True, exist_ok=True)
     measure = {
@@ -101,6 +120,7 @@ def derive_regime(target_name: str, settings: Mapping[str, Any], work_dir: Path)
         "eval_batches": 1,
     }
     config = build_config("local", "unshaped", 0, measure)
+    progress(f"measuring the compute time per step: {MEASURE_STEPS} local steps on an unshaped link")
     summary = _run("local", "unshaped", measure, work_dir / "measure-compute")
     compute_s = measure_compute_s(Path(summary["results_dir"]), config.stages, config.clusters, MEASURE_WARMUP_STEPS)
     model = get_model_config(config.train.model)
@@ -113,16 +133,23 @@ def derive_regime(target_name: str, settings: Mapping[str, Any], work_dir: Path)
         compute_s=compute_s,
         tokens_per_step=config.clusters * config.train.batch_size * seq_len,
     )
-    regime = closed_loop(regime, lambda rate, index: probe(rate, settings, work_dir, index))
+    progress(f"T_c = {compute_s * 1000:.1f} ms a step; derived link {format_rate(regime.open_loop_rate_bps)}")
+    regime = closed_loop(regime, lambda rate, index: probe(rate, settings, work_dir, index), progress)
     (work_dir / "regime.json").write_text(json.dumps(regime.record(), indent=2) + "\n")
     return regime
 
 
-def regime_profile(target_name: str, settings: Mapping[str, Any], out: Path, force: bool) -> tuple[Path, Regime | None]:
+def regime_profile(
+    target_name: str,
+    settings: Mapping[str, Any],
+    out: Path,
+    force: bool,
+    progress: Callable[[str], None] = lambda line: None,
+) -> tuple[Path, Regime | None]:
     """A sweep's regime profile, OUT/profiles/<target>.yaml: derived once, then reused so a resumed sweep keeps
     the link its earlier runs had; returns the path and the fresh derivation (None when reused)."""
     path = out / "profiles" / f"{get_target(target_name).name}.yaml"
     if path.is_file() and not force:
         return path, None
-    regime = derive_regime(target_name, settings, out / "regime")
+    regime = derive_regime(target_name, settings, out / "regime", progress)
     return write_regime_profile(regime, path), regime

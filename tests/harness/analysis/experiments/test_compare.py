@@ -188,7 +188,8 @@ def test_regime_derives_its_link_first_and_composes_only_what_would_not_finish(t
     4.7 Mbit/s of goodput: ~4 minutes) is composed from a trace there and its full run on 1gbps."""
     derived: list[str] = []
 
-    def regime_profile(target, settings, out, force):
+    def regime_profile(target, settings, out, force, progress):
+        progress("deriving")
         path = out / "profiles" / f"{target}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("description: stand-in\ninter_cluster:\n  rate: 5mbit\n")

@@ -247,7 +247,9 @@ def test_regime_rate_follows_the_derivation_and_the_profile_is_reused(tmp_path, 
     # On that link AllReduce's step takes (1 + R) T_c: tokens/s falls by the paper's 3728 / 10.4.
     assert (4096 / 0.5) / (4096 / regime.allreduce_step_s) == pytest.approx(3728 / 10.4)
     derived = []
-    monkeypatch.setattr(regime_module, "derive_regime", lambda name, settings, work: derived.append(work) or regime)
+    monkeypatch.setattr(
+        regime_module, "derive_regime", lambda name, settings, work, progress: derived.append(work) or regime
+    )
     path, fresh = regime_profile("paper-107b", {"model": "small"}, tmp_path, force=False)
     profile = load_profile(str(path))
     assert (profile.name, profile.inter_cluster.rate_bps) == ("paper-107b", regime.rate_bps)
