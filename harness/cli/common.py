@@ -67,6 +67,8 @@ def progress_bars() -> Progress:
         TextColumn("{task.fields[status]}", markup=False),
         TimeElapsedColumn(),
         console=console,
+        # Not on a terminal (a log, CI) a bar's redraws garble the file; lines printed beside it still show.
+        disable=not console.is_terminal,
     )
 
 

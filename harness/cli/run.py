@@ -182,10 +182,11 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
     print_warnings(config.warnings())
     signals.stop_if_received()
     reexec_if_unprivileged()
-    progress, update = _progress_display()
+    progress = _RunProgress()
     signals.stop_if_received()
     with progress:
-        summary = runner.execute(checked, on_progress=update)
+        summary = runner.execute(checked, on_progress=progress.update)
+        progress.finish(summary.get("steps"), config.train.steps)
     signals.ignore()
     print_summary(summary, _same_setup(ctx, given, assignments))
     sys.exit(_exit_code(summary))
@@ -268,31 +269,55 @@ def _exit_code(summary: dict[str, Any]) -> int:
     return 128 + signal.Signals[summary["interrupted_by"]].value
 
 
-def _progress_display():
-    progress = progress_bars()
-    task = progress.add_task("starting", total=None, status="building cluster...")
+class _RunProgress:
+    """A run's progress: a live bar on a terminal; in a log (not a terminal), where a bar's redraws would garble,
+    one plain line per evaluation. Either way the last line shown is the run's last step, not the last poll."""
 
-    def update(state: dict[str, Any]) -> None:
+    def __init__(self) -> None:
+        self.bars = progress_bars()
+        self.live = console.is_terminal
+        self.task = self.bars.add_task("starting", total=None, status="building cluster...")
+        self.last_val_step: int | None = None
+
+    def __enter__(self) -> _RunProgress:
+        self.bars.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.__exit__(*exc)
+
+    def update(self, state: dict[str, Any]) -> None:
         if "step" not in state:
             return
+        description, status = self._describe(state)
+        if self.live:
+            self.bars.update(
+                self.task, description=description, completed=state["step"] + 1, total=state["total_steps"],
+                status=status,
+            )  # fmt: skip
+        elif state.get("val_step") is not None and state["val_step"] != self.last_val_step:
+            self.last_val_step = state["val_step"]
+            print_text(f"{description}  {status}")
+
+    def finish(self, steps: int | None, total_steps: int) -> None:
+        """The bar at the run's own last step: the last poll may be seconds before it."""
+        if self.live and steps:
+            self.bars.update(self.task, description=f"step {steps}/{total_steps}", completed=steps, total=total_steps)
+
+    @staticmethod
+    def _describe(state: dict[str, Any]) -> tuple[str, str]:
         parts = [f"loss {state['loss']:.3f}" if "loss" in state else ""]
         if "val_loss" in state:
-            parts.append(f"val {state['val_loss']:.3f}")
+            parts.append(
+                f"val {state['val_loss']:.3f}" + (f" (at step {state['val_step']})" if "val_step" in state else "")
+            )
         if state.get("step_s"):
             parts.append(f"{state['tokens'] / max(state['step'] + 1, 1) / state['step_s']:,.0f} tok/s")
         util = state.get("link_utilisation")
         parts.append(
             f"link {format_rate(state['link_bps'])}" + (f" ({util:.0%} of {state['link']})" if util is not None else "")
         )
-        progress.update(
-            task,
-            description=f"step {state['step'] + 1}/{state['total_steps']}",
-            completed=state["step"] + 1,
-            total=state["total_steps"],
-            status="  ".join(parts),
-        )
-
-    return progress, update
+        return f"step {state['step'] + 1}/{state['total_steps']}", "  ".join(parts)
 
 
 def print_summary(summary: dict[str, Any], same_setup: tuple[str, ...] = ()) -> None:

@@ -424,7 +424,7 @@ def _watch(
                     if rank == topology.world_size - 1:
                         latest.update(event)
                 elif event["kind"] == "eval" and rank == topology.world_size - 1:
-                    latest["val_loss"] = event["val_loss"]
+                    latest["val_loss"], latest["val_step"] = event["val_loss"], event["step"]
         inject_faults(steps_logged[0])
         if on_poll is not None:
             on_poll()

@@ -519,3 +519,28 @@ def test_the_compare_it_suggests_keeps_the_runs_set_up(harness_cli, monkeypatch)
         "compare: harness compare --profile 1gbps --methods allreduce,dilocox --seeds 0,1,2 --steps 40 --clusters 4 "
         "--set exchange=reduce --out results/compare-1gbps"
     )
+
+
+def test_in_a_log_a_run_prints_one_plain_line_per_evaluation(harness_cli, monkeypatch):
+    """Not on a terminal, the live bar's redraws garbled logs and its last frame stopped short of the last step."""
+    polls = [
+        {"step": 2, "loss": 4.5, "val_loss": 5.5, "val_step": 0, "step_s": 0.1, "tokens": 768},
+        {"step": 5, "loss": 4.4, "val_loss": 5.5, "val_step": 0, "step_s": 0.1, "tokens": 1536},
+        {"step": 12, "loss": 4.3, "val_loss": 4.2, "val_step": 10, "step_s": 0.1, "tokens": 3328},
+    ]
+
+    def execute(checked, on_progress=None):
+        for state in polls:
+            on_progress({**state, "total_steps": 30, "link_bps": 5e8, "link_utilisation": 0.25, "link": "1 Gbit/s"})
+        return SUMMARY
+
+    monkeypatch.setattr(userns, "needs_reexec", lambda: False)
+    monkeypatch.setattr(runner, "execute", execute)
+    result, _, _ = harness_cli(["run", "--steps", "30"])
+    assert result.exit_code == 0, result.output
+    progress = [line for line in result.output.splitlines() if line.startswith("step ")]
+    assert progress == [
+        "step 3/30  loss 4.500  val 5.500 (at step 0)  2,560 tok/s  link 500 Mbit/s (25% of 1 Gbit/s)",
+        "step 13/30  loss 4.300  val 4.200 (at step 10)  2,560 tok/s  link 500 Mbit/s (25% of 1 Gbit/s)",
+    ]
+    assert "\r" not in result.output and "━" not in result.output
