@@ -1,7 +1,13 @@
 """check_data refuses exactly what the workers' loading would fail on, cheaply, before anything starts."""
 
 import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +20,8 @@ from trainers.data import (
     validation_batches,
 )
 from trainers.documents import read_text
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def loads(path, seq_len: int, replicas: int) -> bool:
@@ -95,12 +103,31 @@ def test_the_default_corpus_is_checked_quickly():
     assert time.perf_counter() - start < 1.0
 
 
-def test_an_unreadable_file_in_a_folder_is_named(tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip("root reads every file")
-    (tmp_path / "a.txt").write_text("text " * 400)
-    secret = tmp_path / "secret.txt"
-    secret.write_text("text " * 400)
-    secret.chmod(0)
-    with pytest.raises(ValueError, match="cannot read .*secret.txt.*make it readable"):
-        check_data(str(tmp_path), 64, 2)
+def test_an_unreadable_file_in_a_folder_is_named():
+    """Root reads every file, and CI runs as root: there the check runs as user nobody, in a child."""
+    folder = Path(tempfile.mkdtemp(prefix="harness-unreadable-", dir="/tmp"))
+    try:
+        folder.chmod(0o755)
+        (folder / "a.txt").write_text("text " * 400)
+        secret = folder / "secret.txt"
+        secret.write_text("text " * 400)
+        secret.chmod(0)
+        code = (
+            "from trainers.data import check_data\n"
+            "try:\n"
+            f"    check_data({str(folder)!r}, 64, 2)\n"
+            "except ValueError as err:\n"
+            "    print(err)\n"
+        )
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        site = next(Path(sys.prefix, "lib").glob("python3*/site-packages"))
+        env = {"PATH": os.environ["PATH"], "HOME": str(folder), "PYTHONPATH": f"{REPO}:{site}"}
+        result = subprocess.run(
+            [*as_nobody, sys.executable, "-c", code], capture_output=True, text=True, cwd=folder, env=env, timeout=120
+        )
+        if result.returncode != 0 and "import" in result.stderr.lower():
+            pytest.skip(f"user nobody cannot import the harness here: {result.stderr.strip()[-200:]}")
+        assert result.returncode == 0, result.stderr
+        assert re.search(r"cannot read .*secret.txt.*make it readable", result.stdout), result.stdout
+    finally:
+        shutil.rmtree(folder)
