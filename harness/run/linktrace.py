@@ -126,13 +126,21 @@ class TraceReplay:
             self.process.wait()
 
 
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
 class Replayer:
     """The replay process's work (module doc): wait for training, then replay and sample until `stopping`."""
 
-    def __init__(self, profile: Profile, links: LiveLinks, start_fds: list[int], paths: RunPaths):
+    def __init__(self, profile: Profile, links: LiveLinks, start_fds: list[int], paths: RunPaths, clock: Clock = time):
+        """`clock` (monotonic, sleep) is the time module's; tests give a virtual one, to check the schedule exactly
+        on a machine too loaded to keep it."""
         self.trace: LinkTrace = profile.trace
         self.default_rate_bps = profile.inter_cluster.rate_bps
-        self.links, self.start_fds, self.paths = links, start_fds, paths
+        self.links, self.start_fds, self.paths, self.clock = links, start_fds, paths, clock
         self.stopping = False
 
     def run(self) -> None:
@@ -150,8 +158,8 @@ class Replayer:
         tail = EventTail(self.paths.events(0))
         while not self.stopping:
             if any(event["kind"] in ("eval", "step") for event in tail):
-                return time.monotonic()
-            time.sleep(START_POLL_S)
+                return self.clock.monotonic()
+            self.clock.sleep(START_POLL_S)
         return None
 
     def _replay(self, t0: float, log: IO[str]) -> None:
@@ -163,11 +171,11 @@ class Replayer:
         changes = rate_changes(self.trace)
         next_sample = t0
         while not self.stopping:
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if changes and now >= t0 + changes[0].seconds:
                 point = changes.pop(0)
                 self.links.set_rate(point.rate_bps)
-                applied_s = time.monotonic() - now
+                applied_s = self.clock.monotonic() - now
                 _write(log, {"kind": "rate", "t_s": now - t0, "rate_bps": point.rate_bps, "applied_s": applied_s})
                 continue
             if now >= next_sample:
@@ -175,17 +183,17 @@ class Replayer:
                 # A late sample does not make the next ones come faster.
                 next_sample = max(next_sample + SAMPLE_S, now)
             due = min([next_sample, *([t0 + changes[0].seconds] if changes else [])])
-            time.sleep(max(0.0, due - time.monotonic()))
+            self.clock.sleep(max(0.0, due - self.clock.monotonic()))
 
     def _sample(self, t0: float, log: IO[str]) -> None:
-        before = time.monotonic()
+        before = self.clock.monotonic()
         uplinks = self.links.read_uplinks()
-        t_s = (before + time.monotonic()) / 2 - t0
+        t_s = (before + self.clock.monotonic()) / 2 - t0
         backlogs = [backlog for _, backlog in uplinks]
         for _ in range(BACKLOG_READS - 1):
             if all(backlogs):
                 break
-            time.sleep(BACKLOG_READ_GAP_S)
+            self.clock.sleep(BACKLOG_READ_GAP_S)
             backlogs = [max(seen, now) for seen, now in zip(backlogs, self.links.read_backlogs(), strict=True)]
         _write(
             log,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 
 import pytest
 
@@ -19,6 +17,7 @@ from harness.run.config import RunConfig
 from harness.run.folder import RunPaths, UnreadableResults, read_link_trace
 from harness.run.linktrace import (
     MAX_GAP_S,
+    SAMPLE_S,
     LinkSample,
     Replayer,
     busy_windows,
@@ -129,6 +128,29 @@ class FakeLinks:
         self.closed = True
 
 
+class VirtualClock:
+    """Time that passes only when the replayer sleeps: its schedule checked exactly, however loaded the host.
+    Stops the replayer once `until` seconds have passed."""
+
+    def __init__(self, until: float):
+        self.now, self.until, self.replayer = 1000.0, 1000.0 + until, None
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.now >= self.until:
+            self.replayer.stopping = True
+
+
+def _replayer(trace, links, fds, paths, until: float) -> Replayer:
+    clock = VirtualClock(until)
+    replayer = Replayer(Profile("p", "", LinkSpec(rate_bps=10 * MBIT), trace=trace), links, fds, paths, clock)
+    clock.replayer = replayer
+    return replayer
+
+
 def test_the_replay_waits_for_training_then_re_rates_samples_and_starts_the_delay_lines(tmp_path):
     paths = RunPaths(tmp_path)
     paths.events_dir.mkdir()
@@ -137,27 +159,24 @@ def test_the_replay_waits_for_training_then_re_rates_samples_and_starts_the_dela
     )
     links = FakeLinks()
     read_end, write_end = os.pipe()
-    replayer = Replayer(Profile("p", "", LinkSpec(rate_bps=10 * MBIT), trace=trace), links, [write_end], paths)
-    thread = threading.Thread(target=replayer.run)
-    thread.start()
-    time.sleep(0.2)
-    assert not paths.link_trace.read_text()  # no training yet: no replay
+    _replayer(trace, links, [write_end], paths, until=5.0).run()
+    assert not paths.link_trace.read_text() and links.rates == []  # no training in 5 s: no replay
+
     paths.events(0).write_text(json.dumps({"t": 1.0, "kind": "eval", "step": 0}) + "\n")
-    time.sleep(0.9)
-    replayer.stopping = True
-    thread.join(timeout=5)
-    lines = read_link_trace(tmp_path)
-    start, *rest = lines
+    _replayer(trace, links, [write_end], paths, until=0.95).run()
+    start, *rest = read_link_trace(tmp_path)
     assert start["kind"] == "start" and start["clusters"] == 2
     assert os.read(read_end, 100).decode() == f"start {start['t0_monotonic']!r}\n"
-    assert links.rates == [20 * MBIT, 5 * MBIT]
-    changes = [r for r in rest if r["kind"] == "rate"]
-    assert [round(r["t_s"], 1) for r in changes] == [0.3, 0.6]
+    assert links.rates == [20 * MBIT, 5 * MBIT]  # 0.4 repeats 20 Mbit/s: no change
+    assert [r["t_s"] for r in rest if r["kind"] == "rate"] == pytest.approx([0.3, 0.6])
     samples = [r for r in rest if r["kind"] == "sample"]
-    assert 6 <= len(samples) <= 11
+    # One every SAMPLE_S from t0, each read when due (its reads take no virtual time but the backlog re-read's).
+    assert [s["t_s"] for s in samples] == pytest.approx([i * SAMPLE_S for i in range(len(samples))], abs=1e-9)
+    assert len(samples) == 10
     # The tbfs read empty at first were read again: the backlog recorded is the one seen.
     assert samples[0]["backlog_bytes"] == [1514, 3028]
-    assert samples[-1]["trace_rate_bps"] == 5 * MBIT and samples[-1]["trace_delay_ms"] == 10.0
+    assert [s["trace_rate_bps"] for s in samples] == [10 * MBIT] * 3 + [20 * MBIT] * 3 + [5 * MBIT] * 4
+    assert samples[-1]["trace_delay_ms"] == 10.0
 
 
 def test_link_trace_jsonl_is_read_as_events_are(tmp_path):
