@@ -267,3 +267,36 @@ def test_lock_folders_planted_as_links_are_not_read(tmp_path):
 def test_cleanup_refuses_a_run_key_that_is_not_one():
     with pytest.raises(UserError, match="hx and 6 hex digits"):
         cleanup(run_key="../../etc")
+
+
+def test_a_lock_folder_that_cannot_be_made_is_named_with_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(run_lock, "lock_dir", lambda: tmp_path / "a-file" / "locks")
+    with pytest.raises(
+        run_lock.LockError, match=r"cannot create the run lock folder .*a-file/locks .*make it writable"
+    ):
+        RunLock(new_key()).acquire()
+
+
+def test_a_lock_folder_planted_as_a_link_is_refused_not_used(tmp_path, monkeypatch):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "locks").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr(run_lock, "lock_dir", lambda: tmp_path / "locks")
+    with pytest.raises(run_lock.LockError, match="is not a folder owned by this user; remove it and rerun"):
+        RunLock(new_key()).acquire()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "lock_dir", lambda: tmp_path)
+    key = new_key()
+    (tmp_path / f"{key}.lock").symlink_to(tmp_path / "target")  # O_NOFOLLOW: a planted link is not followed
+    with pytest.raises(run_lock.LockError, match=rf"cannot open the run lock .*{key}.lock .*remove it and rerun"):
+        RunLock(key).acquire()
+    assert not (tmp_path / "target").exists()
+
+
+@pytest.mark.parametrize("key", ["hx12345", "HX123456", "hx12345g", "../../etc"])
+def test_a_run_key_that_is_not_one_is_refused(key):
+    with pytest.raises(ValueError, match="is not of the form hx \\+ 6 hex digits"):
+        RunLock(key)
