@@ -437,6 +437,10 @@ class CompareSpec:
                 "a comparison measures what crosses the link between clusters, and --clusters 1 has none (every "
                 "method would run as local); use --clusters 2 or more"
             )
+        # Scoped to a method that does not exist: a typo, not a method left out (warned about, unrun_scope_warnings).
+        strangers = sorted(entry for entry in self.per_method if method_of(entry) not in METHODS)
+        if strangers:
+            raise CompareError(f"options given for unknown method {strangers[0]!r}; known: {', '.join(METHODS)}")
         unknown = sorted(set(self.selected_on) - {method_of(m) for m in self.methods})
         if unknown:
             raise CompareError(f"--selected-on names {', '.join(unknown)}, which --methods does not run")

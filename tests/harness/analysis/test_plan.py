@@ -3,6 +3,8 @@ names and order, variants of one method side by side, and every refusal before a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.analysis.plan import (
@@ -138,3 +140,58 @@ def test_a_comparison_on_one_cluster_is_refused_before_it_runs():
     ):
         with pytest.raises(CompareError, match="--clusters 1 has none .* use --clusters 2 or more"):
             spec.validate()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (CompareSpec(("allreduce",), ()), "name at least one link with --profile (measured) or --composed"),
+        (CompareSpec((), ("1gbps",)), "name the methods to compare with --methods; known: "),
+        (CompareSpec(("allreduce",), ("1gbps",), target_loss=-1.0), "--target-loss must be a positive validation"),
+        (CompareSpec(("allreduce",), ("1gbps",), target_loss=float("nan")), "--target-loss must be a positive"),
+        (
+            CompareSpec(("allreduce", "dilocox"), ("1gbps",), measure_limit_s=60.0),
+            "--measure-limit applies only with --regime",
+        ),
+        (
+            CompareSpec(("allreduce", "dilocox"), ("1gbps",), composed_methods={"100mbps": ("allreduce",)}),
+            "a link split between measured and composed methods must be both; 100mbps is not",
+        ),
+        (
+            CompareSpec(("allreduce",), ("1gbps",), method_steps={"dilocox": 100}),
+            "--method-steps names dilocox, which --methods does not run",
+        ),
+        (
+            CompareSpec(("allreduce",), ("1gbps",), per_method={"nosuch": {"rank": 2}}),
+            "options given for unknown method 'nosuch'",
+        ),
+    ],
+)
+def test_each_refusal_of_a_comparison_is_one_sentence_naming_the_fix(spec, message):
+    with pytest.raises(CompareError) as err:
+        spec.validate()
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (SweepSpec(("allreduce",), (), (0,)), "name at least one profile with --profiles, or use --regime"),
+        (SweepSpec((), ("1gbps",), (0,)), "a sweep needs at least one method, one profile and one seed"),
+        (SweepSpec(("allreduce",), ("1gbps",), ()), "a sweep needs at least one method, one profile and one seed"),
+        (SweepSpec(("allreduce",), ("1gbps",), (0,), repeats=0), "--repeats must be at least 1, got 0"),
+    ],
+)
+def test_each_refusal_of_a_sweep_is_one_sentence(spec, message):
+    with pytest.raises(SweepError, match=re.escape(message)):
+        spec.validate()
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "inf", "nan"])
+def test_a_bad_harness_timeout_is_refused_naming_the_variable(value, monkeypatch):
+    from harness.errors import UserError
+    from harness.run.config import default_collective_timeout_s
+
+    monkeypatch.setenv("HARNESS_TIMEOUT_S", value)
+    with pytest.raises(UserError, match=f"HARNESS_TIMEOUT_S='{value}' is not a positive number of seconds"):
+        default_collective_timeout_s()
