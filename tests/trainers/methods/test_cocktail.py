@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.trainers.bounds import UNIFORM_BYTES_NATS, unigram_entropy_nats, unigram_val_loss_nats
 from tests.trainers.spawn import run_ranks
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.compression.compressors import SparseQuantizeCompressor
@@ -284,11 +285,12 @@ def _train_scenario(rank: int, steps: int) -> dict:
 
 
 def test_two_replicas_learn_the_corpus(tmp_path):
-    # Measured: from 5.56 (ln 256, uniform over bytes) to a last-10-step mean of about 2.9-3.1 on the replicas
-    # and a held-out loss of 3.12 on g, against 3.5 here. 60 steps end near 3.4: 10 of them are warm-up and the
-    # compressed steps start slowly, as every coordinate waits for the rotating mask.
+    # From ln 256 (uniform over bytes) to below what byte frequencies alone give (tests/trainers/bounds.py), on
+    # the replicas and held out on g (measured: about 2.9-3.1 and 3.12, against 3.14 on both: barely past it, so a
+    # regression shows). 60 steps end near 3.4: 10
+    # of them are warm-up and the compressed steps start slowly, as every coordinate waits for the rotating mask.
     results = _spawn(_train_scenario, (80,), tmp_path)
     for out in results:
-        assert out["losses"][0] > 5.3
-        assert sum(out["losses"][-10:]) / 10 < 3.5
-        assert out["val_loss"] < 3.5
+        assert out["losses"][0] > 0.95 * UNIFORM_BYTES_NATS
+        assert sum(out["losses"][-10:]) / 10 < unigram_entropy_nats()
+        assert out["val_loss"] < unigram_val_loss_nats(8, 64, 4)

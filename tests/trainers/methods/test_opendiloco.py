@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.trainers.bounds import UNIFORM_BYTES_NATS, unigram_entropy_nats, unigram_val_loss_nats
 from tests.trainers.spawn import run_ranks
 from tests.trainers.toy import TOY_OPTIM, clones, method_context, toy_backward, toy_model
 from trainers.comm import allreduce_payload_bytes
@@ -196,10 +197,10 @@ def _train_scenario(rank: int, options: dict, steps: int) -> dict:
 
 
 def test_two_replicas_learn_the_corpus(tmp_path):
-    # Measured: from 5.56 (ln 256, uniform over bytes) to a last-10-step mean of 2.7-3.0 on the replicas and a
-    # held-out loss of 2.88 on theta_global, against 3.5 here.
+    # From ln 256 (uniform over bytes) to below what byte frequencies alone give (tests/trainers/bounds.py), on
+    # the replicas and held out on theta_global (measured: 2.7-3.0 and 2.88, against 3.14 on both).
     results = _spawn(_train_scenario, ({"local_steps": 10}, 60), tmp_path)
     for out in results:
-        assert out["losses"][0] > 5.3
-        assert sum(out["losses"][-10:]) / 10 < 3.5
-        assert out["val_loss"] < 3.5
+        assert out["losses"][0] > 0.95 * UNIFORM_BYTES_NATS
+        assert sum(out["losses"][-10:]) / 10 < unigram_entropy_nats()
+        assert out["val_loss"] < unigram_val_loss_nats(8, 64, 4)
