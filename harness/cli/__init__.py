@@ -21,6 +21,10 @@ class Entry(NamedTuple):
 
 COMMANDS = {
     "run": Entry("harness.cli.run:run", "Train one method on the emulated cluster and write a results folder."),
+    "reproduce": Entry(
+        "harness.cli.run:reproduce",
+        "Rerun a finished run from its folder and print its stored and new figures side by side.",
+    ),
     "calibrate": Entry(
         "harness.cli.run:calibrate", "Measure all-reduce bus bandwidth across the clusters on the shaped link."
     ),

@@ -192,6 +192,42 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
     sys.exit(_exit_code(summary))
 
 
+@click.command("reproduce", cls=_RecordsSignals)
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@out_option
+@click.pass_context
+def reproduce(ctx, run_dir, out):
+    """Rerun a finished run from its folder and print its stored and new figures side by side."""
+    from harness.run import runner
+    from harness.run.reproduce import figures, prepare
+
+    signals = ctx.meta[_SignalsBeforeTheRun]
+    reproduction = prepare(run_dir)
+    try:
+        checked = runner.validate(reproduction.config, out)
+    except KeyboardInterrupt:  # from work validation does in a child process (harness/process.py)
+        signals.stop_if_received()
+        raise
+    print_warnings(reproduction.warnings + reproduction.config.warnings())
+    signals.stop_if_received()
+    reexec_if_unprivileged()
+    progress = _RunProgress()
+    signals.stop_if_received()
+    with progress:
+        summary = runner.execute(checked, on_progress=progress.update)
+        progress.finish(summary.get("steps"), reproduction.config.train.steps)
+    signals.ignore()
+    if summary["status"] != "ok":
+        print_summary(summary)
+        sys.exit(_exit_code(summary))
+    table = Table(box=None, pad_edge=False)
+    for column in ("figure", f"stored ({run_dir})", f"rerun ({summary['results_dir']})", ""):
+        table.add_column(column, overflow="fold")
+    for row in figures(reproduction, summary, Path(summary["results_dir"])):
+        table.add_row(Text(row.name, style="bold"), Text(row.stored), Text(row.new), Text(row.verdict))
+    console.print(table)
+
+
 @click.command("calibrate", cls=_RecordsSignals)
 @profile_option
 @clusters_option()

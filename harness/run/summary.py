@@ -51,6 +51,11 @@ def _git(*args: str, repo: Path = CHECKOUT) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def checkout_commit() -> str | None:
+    """The commit the checkout's HEAD names; None where git cannot tell."""
+    return _git("rev-parse", "HEAD")
+
+
 def code_dirty(repo: Path = CHECKOUT) -> bool | None:
     """Whether the checkout's code (CODE_PATHS) differs from its commit; None where git cannot tell."""
     changes = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS, repo=repo)
@@ -60,7 +65,7 @@ def code_dirty(repo: Path = CHECKOUT) -> bool | None:
 def environment(extra: dict[str, Any]) -> dict[str, Any]:
     """What the numbers depend on: code version, packages, kernel, machine; plus the backend's own record."""
     return {
-        "git_commit": _git("rev-parse", "HEAD"),
+        "git_commit": checkout_commit(),
         "git_dirty": code_dirty(),
         "python": platform.python_version(),
         "packages": {p: _version(p) for p in ("harness", "torch", "numpy", "pyroute2", "click")},
