@@ -77,3 +77,49 @@ def test_settings_without_a_condition_are_never_refused_by_it():
             k: v for k, v in every.items() if "applies_when" not in config.__dataclass_fields__[k].metadata
         }
         check_applicable(method, config, unconditional)
+
+
+# Each value a method's config refuses, with the words its sentence must hold (the setting, what it takes, the value).
+BAD_SETTINGS = [
+    ("opendiloco", {"local_steps": 0}, "local_steps must be at least 1, got 0"),
+    ("opendiloco", {"outer_lr": 0.0}, "outer_lr must be a positive finite number, got 0.0"),
+    ("opendiloco", {"outer_lr": float("inf")}, "outer_lr must be a positive finite number, got inf"),
+    ("opendiloco", {"outer_momentum": 1.0}, "outer_momentum must be in [0, 1), got 1.0"),
+    ("opendiloco", {"pseudo_grad_dtype": "int3"}, "pseudo_grad_dtype takes one of fp16, bf16, fp32, got 'int3'"),
+    ("dilocox", {"overlap": "sometimes"}, "overlap takes one of"),
+    ("dilocox", {"overlap_steps": -1}, "overlap_steps must be at least 0, got -1"),
+    ("dilocox", {"overlap": "streaming", "overlap_steps": 25}, "overlap_steps must be below local_steps (20)"),
+    ("dilocox", {"merge_alpha": 1.5}, "merge_alpha must be in [0, 1], got 1.5"),
+    ("dilocox", {"rank": 0}, "rank must be at least 1, got 0"),
+    ("dilocox", {"bits": 3}, "bits must be one of 2, 4, 8; got 3"),
+    ("dilocox", {"bucket_size": 0}, "bucket_size must be at least 1, got 0"),
+    ("dilocox", {"power_iterations": 0}, "power_iterations must be at least 1, got 0"),
+    ("dilocox", {"rank_window": 0}, "rank_window must be at least 1, got 0"),
+    ("dilocox", {"energy": 0.0}, "energy must be in (0, 1], got 0.0"),
+    ("dilocox", {"min_rank": 100}, "min_rank must be between 1 and rank (64), got 100"),
+    ("dilocox", {"max_local_steps": 5}, "max_local_steps must be at least local_steps (20), got 5"),
+    ("dilocox", {"exchange": "reduce", "compression": False}, "which compression=false turns off"),
+    ("dilocox", {"exchange": "reduce", "overlap": "eager"}, "overlap=eager restarts from the replica's own"),
+    ("sparseloco", {"error_decay": 1.5}, "error_decay must be in [0, 1], got 1.5"),
+    ("sparseloco", {"density": 0.0}, "density must be in (0, 1], got 0.0"),
+    ("sparseloco", {"chunk_size": 0}, "chunk_size must be at least 1, got 0"),
+    ("sparseloco", {"bits": 9}, "bits must be an integer from 1 to 8, got 9"),
+    ("sparseloco", {"quantization_range": -1.0}, "quantization_range must be a positive finite number, got -1.0"),
+    ("demo", {"compression_decay": 1.0}, "compression_decay must be in [0, 1), got 1.0"),
+    ("demo", {"compression_topk": 0}, "compression_topk must be an integer of at least 1, got 0"),
+    ("demo", {"compression_chunk": 0}, "compression_chunk must be an integer of at least 1, got 0"),
+    ("demo", {"demo_lr": 0.0}, "demo_lr must be a positive finite number, got 0.0"),
+    ("demo", {"demo_weight_decay": -1.0}, "demo_weight_decay must be a finite number of at least 0, got -1.0"),
+    ("demo", {"demo_lr": 0.5, "demo_weight_decay": 4.0}, "demo_weight_decay times demo_lr must be below 1"),
+    ("cocktail", {"random_keep": 0.0}, "random_keep must be in (0, 1], got 0.0"),
+    ("cocktail", {"topk_keep": 2.0}, "topk_keep must be in (0, 1], got 2.0"),
+    ("cocktail", {"bits": 3}, "bits must be one of 2, 4, 8 or none (fp32 values); got 3"),
+    ("cocktail", {"warmup_steps": -1}, "warmup_steps must be at least 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(("method", "options", "words"), BAD_SETTINGS, ids=lambda v: str(v))
+def test_each_value_a_method_refuses_is_one_sentence_naming_the_setting(method, options, words):
+    with pytest.raises(ValueError) as err:
+        method_config(method, options)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
