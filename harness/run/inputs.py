@@ -28,14 +28,21 @@ def absolute_paths(train: TrainConfig) -> TrainConfig:
     paths = {"model": train.model if _names_a_model_file(train.model) else None, "data": train.data}
     if train.tokenizer != "bytes" and not train.tokenizer.startswith("bpe:"):
         paths["tokenizer"] = train.tokenizer
-    changes = {k: str(Path(p).expanduser().absolute()) for k, p in paths.items() if p and Path(p).expanduser().exists()}
+    changes = {k: str(Path(p).expanduser().absolute()) for k, p in paths.items() if p and _exists(p)}
     return dataclasses.replace(train, **changes)
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).expanduser().exists()
+    except OSError:  # a name too long, a loop of links: validation names it
+        return False
 
 
 def _names_a_model_file(model: str) -> bool:
     if "/" in model or model.endswith(".json"):
         return True
-    if not Path(model).exists():
+    if not _exists(model):
         return False
     # A bare name that is also a file here: a built-in model's name wins (trainers.models.get_model_config). Only
     # this rare case pays for importing torch.
