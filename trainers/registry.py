@@ -141,6 +141,21 @@ def check_applicable(name: str, config: Any, given: dict[str, Any]) -> None:
                 )
 
 
+def applicable_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` less those the others make the method ignore (a field's `applies_when`): a run's recorded options,
+    every field included, given back as settings would otherwise be refused by check_applicable, and what they leave
+    out changes nothing."""
+    if name not in METHODS:
+        return options
+    fields = {spec.name: spec for spec in dataclasses.fields(method_class(name).config_class)}
+    return {
+        key: value
+        for key, value in options.items()
+        if key not in fields
+        or all(options.get(other) in allowed for other, allowed in fields[key].metadata.get("applies_when", {}).items())
+    }
+
+
 def _checked(method: str, key: str, kind: Any, value: Any) -> Any:
     """`value` as field `key` of type `kind` holds it, or a ValueError naming the setting and what it takes."""
     optional = _optional(kind)

@@ -228,6 +228,7 @@ def settings_from_file(path: Any) -> FileSettings:
 
     from harness.net.link import Profile
     from trainers.config import OptimConfig
+    from trainers.registry import applicable_options
 
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
@@ -262,7 +263,7 @@ def settings_from_file(path: Any) -> FileSettings:
             "code?); remove them from the file to run with today's"
         )
     settings.update(train)
-    settings.update(data.get("method_options") or {})
+    settings.update(applicable_options(data["method"], data.get("method_options") or {}))
     profile = data["profile"]
     return FileSettings(
         data["method"],

@@ -103,6 +103,23 @@ def test_a_recorded_runs_config_builds_that_run_again(method):
     assert settings_from_file(run).settings == given.settings  # the folder reads as its config.json
 
 
+@pytest.mark.parametrize("method", ["dilocox", "cocktail", "opendiloco", "allreduce"])
+def test_a_recorded_runs_settings_pass_the_checks_a_given_setting_meets(method):
+    """Recorded options hold every field, some that the others make the method ignore (dilocox's reduce_wire with
+    exchange=gather): given back as settings, they were refused ("applies only with exchange=reduce")."""
+    from trainers.registry import check_applicable
+
+    run = next(p for p in sorted(GATE_RUNS.iterdir()) if p.name.startswith(f"{method}-"))
+    given = settings_from_file(run)
+    config = RunConfig.build(given.method, given.profile, **given.settings)
+    check_applicable(config.method, config.method_config, config.method_options)
+    # What was left out is what the method ignores: the resolved variant is the recorded one.
+    recorded = _recorded(run)["method_options"]
+    assert {k: config.resolved_options[k] for k in recorded if k in config.resolved_options} == {
+        k: v for k, v in recorded.items() if k in config.resolved_options
+    }
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -120,3 +137,16 @@ def test_a_config_file_that_describes_no_run_is_refused_by_name(tmp_path, conten
     path.write_text(yaml.safe_dump(content))
     with pytest.raises(SettingError, match=re.escape(message)):
         settings_from_file(path)
+
+
+@pytest.mark.parametrize("options", [{}, {"exchange": "reduce"}, {"adaptive": False}])
+def test_a_fresh_dilocox_runs_config_reruns_as_that_variant(tmp_path, options):
+    """A config.json written today records reduce_wire (and the adaptive bounds) whatever the exchange: --config
+    and reproduce refused to rerun every default dilocox run."""
+    from trainers.registry import check_applicable
+
+    RunConfig.build("dilocox", "1gbps", steps=20, **options).save(tmp_path / "config.json")
+    given = settings_from_file(tmp_path)
+    config = RunConfig.build(given.method, given.profile, **given.settings)
+    check_applicable(config.method, config.method_config, config.method_options)
+    assert config.resolved_options == _recorded(tmp_path)["method_options"]
