@@ -250,7 +250,7 @@ def _variant_row(spec: CompareSpec, runs: pd.DataFrame, group: pd.DataFrame, cur
     row["best_val_loss"] = float(runs["best_val_loss"].min())
     row.update(_against("speedup", runs, ar, "speed", method == BASELINE))
     row.update(_against("utilisation", runs, local, "tokens_per_s", method == CEILING))
-    row.update(_achieved_r(runs, local))
+    row.update(_achieved_r(runs, local, group))
     mine_eq, ar_eq = _equal_token_losses(curves[curves["variant"] == variant], curves[curves["method"] == BASELINE])
     row.update(_against("loss_vs_allreduce", mine_eq, ar_eq, "loss_at_equal_tokens", method == BASELINE))
     if first["how"] == COMPOSED:
@@ -267,13 +267,16 @@ def _variant_row(spec: CompareSpec, runs: pd.DataFrame, group: pd.DataFrame, cur
     return row
 
 
-def _achieved_r(runs: pd.DataFrame, local: pd.DataFrame) -> dict[str, Any]:
+def _achieved_r(runs: pd.DataFrame, local: pd.DataFrame, group: pd.DataFrame) -> dict[str, Any]:
     """R = the run's step time over local's, minus 1 (local's tokens/s over the run's, paired per seed): how
     communication-bound the run was in this study. AllReduce's is the link's regime R (harness/analysis/projection/
-    regime.py), measured when the study ran rather than when the link was derived."""
+    regime.py), measured when the study ran rather than when the link was derived. The link's target R is the
+    profile's: a composed run (no run of its own on the link) takes it from the group's measured ones."""
     value, how = ratio(local, runs, "tokens_per_s") if not local.empty else (Spread(math.nan, 0), "")
     shifted = Spread(value.mean - 1, value.n, value.low - 1, value.high - 1)
     target = runs["regime_target_r"].dropna()
+    if target.empty:
+        target = group["regime_target_r"].dropna()
     return {
         **spread_columns("achieved_r", shifted),
         "achieved_r_pairing": how,

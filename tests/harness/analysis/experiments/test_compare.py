@@ -229,6 +229,10 @@ def test_regime_derives_its_link_first_and_composes_only_what_would_not_finish(t
     assert rows[("opendiloco", "measured")]["speedup"] > 1
     note = "Derived for --regime paper-107b when this study started, from local measured then; composed: allreduce"
     assert note in " ".join(shown.output.split())
+    # AllReduce's R on the split link: its composed tokens/s against local's measured ones, against the target.
+    allreduce = rows[("allreduce", "composed")]
+    assert allreduce["regime_target_r"] == 357.5 and allreduce["achieved_r_pairing"] == "paired"
+    assert "achieved R (allreduce's step time over local's, minus 1, in this study)" in " ".join(shown.output.split())
     assert (tmp_path / "figures" / "compare-paper-107b-split.png").is_file()
     again = CliRunner().invoke(cli.main, args)
     assert again.exit_code == 0 and len(calls) == 6 and derived == ["paper-107b"] * 2  # resumed: the link reused
