@@ -43,7 +43,13 @@ results_argument = click.argument("results", nargs=-1, required=True, type=click
     type=click.Path(path_type=Path),
     help="Write every run's scalars as TensorBoard event files here, a subfolder per run (tensorboard --logdir DIR).",
 )
-def report(results, target_loss, csv_path, parquet_path, tables, tensorboard):
+@click.option(
+    "--wandb",
+    is_flag=True,
+    help="Log every run (scalars, config, summary) to Weights & Biases, one W&B run each named by its label "
+    "(WANDB_PROJECT, default harness; WANDB_MODE=offline for a later wandb sync).",
+)
+def report(results, target_loss, csv_path, parquet_path, tables, tensorboard, wandb):
     """Compare runs (run folders, sweep folders, or folders of them) as a markdown table per profile.
 
     Per method: n (runs aggregated), then each figure as its mean ± the 95% interval (n >= 3), its range (n = 2), or
@@ -61,6 +67,10 @@ def report(results, target_loss, csv_path, parquet_path, tables, tensorboard):
         from harness.run.tensorboard import check_log_dir
 
         check_log_dir(tensorboard)
+    if wandb:
+        from harness.run.weights_and_biases import check_available
+
+        check_available()
     loaded = load_runs(list(results))
     compared = comparison(loaded, target_loss)
     written = []
@@ -70,17 +80,26 @@ def report(results, target_loss, csv_path, parquet_path, tables, tensorboard):
         written.append(write_parquet(compared, parquet_path))
     if tables:
         written += write_tables(loaded, tables)
-    if tensorboard:
+    logged = None
+    if tensorboard or wandb:
         from harness.run.folder import find_run_dirs
-        from harness.run.tensorboard import write_runs
 
         # The runs the tables read: a folder they skipped as unreadable is named below, not written.
         readable = set(loaded.runs["path"])
         runs = [(run_dir, label) for run_dir, label in find_run_dirs(list(results)) if label in readable]
-        written.append(write_runs(runs, tensorboard))
+        if tensorboard:
+            from harness.run.tensorboard import write_runs
+
+            written.append(write_runs(runs, tensorboard))
+        if wandb:
+            from harness.run.weights_and_biases import log_runs
+
+            logged = log_runs(runs)
     click.echo(report_markdown(compared, loaded.runs, site_comparison(loaded)))
     for path in written:
         print_text(f"wrote {path}")
+    if logged:
+        print_text(f"logged {logged}")
     _exit_if_skipped(loaded)
 
 

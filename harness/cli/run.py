@@ -119,6 +119,12 @@ class _RunCommand(_RecordsSignals, WithSettings):
     help="Write loss, validation loss, tokens/s, link use and every exchange's figures as TensorBoard event files "
     "in the run folder's tensorboard/ while it trains (needs the tensorboard package).",
 )
+@click.option(
+    "--wandb",
+    is_flag=True,
+    help="Log the same scalars, the config and the summary to Weights & Biases while it trains (WANDB_PROJECT, "
+    "default harness; WANDB_MODE=offline writes them into the run folder's wandb/ for a later wandb sync).",
+)
 @backend_option()
 @link_emulator_option()
 @click.option(

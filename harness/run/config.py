@@ -97,6 +97,9 @@ class RunConfig:
     # Write the run's scalars as TensorBoard event files in <run folder>/tensorboard while it trains
     # (harness/run/tensorboard.py).
     tensorboard: bool = False
+    # Log the same scalars, the config and the summary to Weights & Biases while it trains (WANDB_PROJECT,
+    # WANDB_MODE=offline: harness/run/weights_and_biases.py); the W&B files lie in <run folder>/wandb.
+    wandb: bool = False
     # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
     # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
     collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
@@ -141,6 +144,10 @@ class RunConfig:
             from harness.run.tensorboard import check_available
 
             check_available()
+        if self.wandb:
+            from harness.run import weights_and_biases
+
+            weights_and_biases.check_available()
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         try:
@@ -288,6 +295,7 @@ class RunConfig:
         link_emulator: Literal["auto", "netem", "userspace"] = "auto",
         faults: tuple[str, ...] = (),
         tensorboard: bool = False,
+        wandb: bool = False,
         collective_timeout_s: float | None = None,
         **settings: Any,
     ) -> RunConfig:
@@ -317,6 +325,7 @@ class RunConfig:
             link_emulator=link_emulator,
             faults=tuple(faults),
             tensorboard=tensorboard,
+            wandb=wandb,
             **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
         )
 

@@ -32,7 +32,7 @@ from harness.run.faults import FaultInjector
 from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, UnreadableResults, read_events
 from harness.run.linktrace import TraceReplay
 from harness.run.summary import environment, summarize
-from harness.run.tensorboard import LiveScalars
+from harness.run.tensorboard import LiveScalars, RunScalars
 from harness.units import format_rate
 
 MASTER_PORT = 29500
@@ -251,8 +251,7 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
         try:
             config.save(paths.config)
             paths.logs_dir.mkdir()
-            if config.tensorboard:
-                live = LiveScalars(run_dir, paths.tensorboard, config.to_dict())
+            live = _live_scalars(config, run_dir)
             signals.check()
             cluster.up()
             signals.check()
@@ -335,7 +334,7 @@ def _teardown(
         steps.insert(-1, ("stopping the trace replay", replay.stop))
     if live is not None:
         # After the workers: their last events are in the files by then.
-        steps.insert(1, ("writing the TensorBoard events", live.close))
+        steps.insert(1, ("writing the last scalars", live.poll))
     for what, step in steps:
         try:
             step()
@@ -345,6 +344,12 @@ def _teardown(
         failure = "teardown failed: " + "; ".join(teardown_errors)
     record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
     summary = summarize(config, folder.staging, failure, record)
+    if live is not None:
+        # After the summary, which W&B keeps as its run's summary.
+        try:
+            live.close(summary)
+        except Exception as err:
+            teardown_errors.append(f"closing the scalar writers: {type(err).__name__}: {err}")
     summary["teardown_errors"] = teardown_errors
     folder.write_environment(
         environment(
@@ -358,6 +363,19 @@ def _teardown(
     )
     folder.write_summary(summary)
     return summary, folder.commit()
+
+
+def _live_scalars(config: RunConfig, run_dir: Path) -> LiveScalars | None:
+    """The writers of the run's scalars as it trains: TensorBoard (--tensorboard), W&B (--wandb), or none."""
+    recorded = config.to_dict()
+    scalars = []
+    if config.tensorboard:
+        scalars.append(RunScalars(RunPaths(run_dir).tensorboard, recorded))
+    if config.wandb:
+        from harness.run.weights_and_biases import WandbWriter, files_of
+
+        scalars.append(RunScalars(None, recorded, WandbWriter(config.run_id, recorded, files_of(run_dir))))
+    return LiveScalars(run_dir, scalars, recorded) if scalars else None
 
 
 class BackendVanished(Exception):

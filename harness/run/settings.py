@@ -207,7 +207,7 @@ def settings_markdown(methods: Sequence[str]) -> str:
 RECORD_ONLY_KEYS = frozenset(
     {"run_id", "run_key", "collective_timeout_s", "method_options_given", "calibrate", "inputs"}
 )
-FILE_RUN_KEYS = ("clusters", "stages", "backend", "gpus", "link_emulator", "faults", "tensorboard")
+FILE_RUN_KEYS = ("clusters", "stages", "backend", "gpus", "link_emulator", "faults", "tensorboard", "wandb")
 
 
 class FileSettings(NamedTuple):

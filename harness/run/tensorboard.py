@@ -24,7 +24,7 @@ from typing import Any
 
 from harness.errors import UserError
 from harness.run.events import EventTail
-from harness.run.folder import RunPaths, read_config, read_events
+from harness.run.folder import RunPaths, read_config, read_events, read_summary
 
 INSTALL_HINT = "pip install -e '.[tensorboard]' (make setup installs it)"
 
@@ -38,14 +38,17 @@ def check_available() -> None:
 
 
 class RunScalars:
-    """Writes one run's scalars into `log_dir` as its events are added, in any order across ranks."""
+    """Writes one run's scalars into `log_dir` as its events are added, in any order across ranks; `writer`, any
+    object with TensorBoard's add_scalar and close, writes them elsewhere instead (W&B: weights_and_biases.py)."""
 
-    def __init__(self, log_dir: Path, config: dict[str, Any]):
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, log_dir: Path | None, config: dict[str, Any], writer: Any = None):
+        if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
 
+            writer = SummaryWriter(str(log_dir))
         self.clusters, self.stages = config["clusters"], config["stages"]
         self.rate_bps = config["profile"]["inter_cluster"].get("rate_bps")
-        self.writer = SummaryWriter(str(log_dir))
+        self.writer = writer
         # step -> {cluster: loss}, until every cluster has logged that step
         self._losses: dict[int, dict[int, float]] = {}
         self._last_wire_bytes = 0
@@ -104,34 +107,42 @@ class RunScalars:
 
 
 class LiveScalars:
-    """`RunScalars` fed from the event files of a run in progress: `poll` between the runner's checks, `close` once
-    the ranks have stopped (it reads what they wrote last first)."""
+    """`RunScalars` (one per destination: TensorBoard, W&B) fed from the event files of a run in progress: `poll`
+    between the runner's checks, `close` once the ranks have stopped (it reads what they wrote last first)."""
 
-    def __init__(self, run_dir: Path, log_dir: Path, config: dict[str, Any]):
+    def __init__(self, run_dir: Path, scalars: list[RunScalars], config: dict[str, Any]):
         paths = RunPaths(run_dir)
         world = config["clusters"] * config["stages"]
         self.tails = {rank: EventTail(paths.events(rank)) for rank in range(world)}
-        self.scalars = RunScalars(log_dir, config)
+        self.scalars = scalars
 
     def poll(self) -> None:
         for rank, tail in self.tails.items():
             for event in tail:
-                self.scalars.add(rank, event)
+                for scalars in self.scalars:
+                    scalars.add(rank, event)
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, Any] | None = None) -> None:
+        """Reads the last events, hands `summary` to a writer that keeps one (W&B), and closes every writer."""
         try:
             self.poll()
+            for scalars in self.scalars:
+                if summary is not None and hasattr(scalars.writer, "set_summary"):
+                    scalars.writer.set_summary(summary)
         finally:
-            self.scalars.close()
+            for scalars in self.scalars:
+                scalars.close()
 
 
-def write_run(run_dir: Path, log_dir: Path) -> Path:
-    """A finished run folder's scalars into `log_dir`; returns `log_dir`."""
-    scalars = RunScalars(log_dir, read_config(run_dir))
+def write_run(run_dir: Path, log_dir: Path | None, writer: Any = None) -> Path | None:
+    """A finished run folder's scalars into `log_dir` (or `writer`, with the run's summary); returns `log_dir`."""
+    scalars = RunScalars(log_dir, read_config(run_dir), writer)
     try:
         for rank in RunPaths(run_dir).event_ranks():
             for event in read_events(run_dir, rank):
                 scalars.add(rank, event)
+        if hasattr(scalars.writer, "set_summary"):
+            scalars.writer.set_summary(read_summary(run_dir))
     finally:
         scalars.close()
     return log_dir

@@ -117,7 +117,7 @@ def _run_folder(root, events: dict[int, list[dict]]):
 def test_live_polling_writes_what_a_finished_run_folder_gives(tmp_path):
     run = _run_folder(tmp_path / "run", _events())
     write_run(run, tmp_path / "after")
-    live = LiveScalars(run, tmp_path / "live", CONFIG)
+    live = LiveScalars(run, [RunScalars(tmp_path / "live", CONFIG)], CONFIG)
     live.poll()
     # Lines appended after a poll are read by the next one, or by close.
     with (run / "events" / "rank1.jsonl").open("a") as f:
