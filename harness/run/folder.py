@@ -10,6 +10,7 @@
     ranks/rank<R>.json   rank R's own result, written when it finishes
     logs/rank<R>.log     rank R's output
     tensorboard/         the run's scalars as TensorBoard event files, with --tensorboard (harness/run/tensorboard.py)
+    wandb/               the run's Weights & Biases files, with --wandb (harness/run/weights_and_biases.py)
 
 The folder is built under a hidden staging name next to its final place and renamed into place at the end, so a
 results folder either holds a finished run (status "ok" or "failed") or does not exist.
