@@ -156,7 +156,6 @@ class _RunCommand(_RecordsSignals, WithSettings):
 @click.pass_context
 def run(ctx, method, profile, out, assignments, config_file, **settings):
     """Train one method on the emulated cluster and write a results folder."""
-    from harness.run import runner
     from harness.run.inputs import check_unchanged
     from harness.run.settings import parse_assignments, run_settings, settings_from_file
 
@@ -180,12 +179,24 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
         overridden |= {k for k in ("data", "tokenizer") if k in given}
         recorded = {k: v for k, v in from_file.inputs.items() if k not in overridden}
         check_unchanged(recorded, config.train, config_file)
+    summary = _validate_and_execute(signals, config, out)
+    print_summary(summary, _same_setup(ctx, given, assignments))
+    sys.exit(_exit_code(summary))
+
+
+def _validate_and_execute(
+    signals: _SignalsBeforeTheRun, config: RunConfig, out: Path | None, warnings: tuple[str, ...] | list[str] = ()
+) -> dict[str, Any]:
+    """Validate (nothing created before it passes), print `warnings` and the config's own (which need a valid
+    config), re-exec without root, run with progress: the summary."""
+    from harness.run import runner
+
     try:
         checked = runner.validate(config, out)
     except KeyboardInterrupt:  # from work validation does in a child process (harness/process.py)
         signals.stop_if_received()
         raise
-    print_warnings(config.warnings())
+    print_warnings([*warnings, *config.warnings()])
     signals.stop_if_received()
     reexec_if_unprivileged()
     progress = _RunProgress()
@@ -194,8 +205,7 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
         summary = runner.execute(checked, on_progress=progress.update)
         progress.finish(summary.get("steps"), config.train.steps)
     signals.ignore()
-    print_summary(summary, _same_setup(ctx, given, assignments))
-    sys.exit(_exit_code(summary))
+    return summary
 
 
 @click.command("reproduce", cls=_RecordsSignals)
@@ -204,25 +214,12 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
 @click.pass_context
 def reproduce(ctx, run_dir, out):
     """Rerun a finished run from its folder and print its stored and new figures side by side."""
-    from harness.run import runner
     from harness.run.reproduce import figures, prepare
 
     signals = ctx.meta[_SignalsBeforeTheRun]
     reproduction = prepare(run_dir)
-    try:
-        checked = runner.validate(reproduction.config, out)
-    except KeyboardInterrupt:  # from work validation does in a child process (harness/process.py)
-        signals.stop_if_received()
-        raise
-    print_warnings(reproduction.warnings + reproduction.config.warnings())
-    signals.stop_if_received()
-    reexec_if_unprivileged()
-    progress = _RunProgress()
-    signals.stop_if_received()
-    with progress:
-        summary = runner.execute(checked, on_progress=progress.update)
-        progress.finish(summary.get("steps"), reproduction.config.train.steps)
-    signals.ignore()
+    config = reproduction.config
+    summary = _validate_and_execute(signals, config, out, reproduction.warnings)
     if summary["status"] != "ok":
         print_summary(summary)
         sys.exit(_exit_code(summary))
