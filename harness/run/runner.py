@@ -30,6 +30,7 @@ from harness.run.config import RunConfig
 from harness.run.events import EventTail
 from harness.run.faults import FaultInjector
 from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, UnreadableResults, read_events
+from harness.run.host_cpu import HostCpuMeter
 from harness.run.linktrace import TraceReplay
 from harness.run.summary import environment, summarize
 from harness.run.tensorboard import LiveScalars, RunScalars
@@ -227,6 +228,7 @@ def execute(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] |
 
 def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
     config, folder, emulator = checked.config, checked.folder, checked.link_emulator
+    host_cpu = HostCpuMeter()
     run_dir = folder.create()
     paths = folder.paths
     topology = Topology(config.clusters, config.stages)
@@ -293,7 +295,9 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
         finally:
             signals.tearing_down = True
             record["interrupted_by"] = signals.received[0] if signals.received else None
-            summary, final = _teardown(config, folder, cluster, procs, failure, record, qdiscs, injector, replay, live)
+            summary, final = _teardown(
+                config, folder, cluster, procs, failure, record, qdiscs, injector, replay, live, host_cpu
+            )
     summary["results_dir"] = str(final)
     return summary
 
@@ -323,6 +327,7 @@ def _teardown(
     injector: FaultInjector | None = None,
     replay: TraceReplay | None = None,
     live: LiveScalars | None = None,
+    host_cpu: HostCpuMeter | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
     teardown_errors = []
@@ -343,6 +348,9 @@ def _teardown(
     if teardown_errors and failure is None:
         failure = "teardown failed: " + "; ".join(teardown_errors)
     record["cluster_teardown_s"] = getattr(cluster, "teardown_s", None)
+    if host_cpu is not None:
+        # After the workers and the cluster's tools are reaped: their CPU time is the run's, not the host's other.
+        record.update(host_cpu.read())
     summary = summarize(config, folder.staging, failure, record)
     if live is not None:
         # After the summary, which W&B keeps as its run's summary.

@@ -32,6 +32,7 @@ from harness.analysis.report.markdown import (
 )
 from harness.analysis.report.target_curve import speedup_curve, speedup_curve_figures
 from harness.analysis.report.time_to_target import COMPOSED, MEASURED, Comparison
+from harness.run.host_cpu import HOST_BUSY_SHARE
 
 FLAG = "⚠"
 HEADER = [
@@ -186,6 +187,29 @@ def composition_notes(comparison: Comparison) -> list[str]:
     return lines
 
 
+def host_busy_note(comparison: Comparison) -> str | None:
+    """The runs whose times were taken while other processes held more than HOST_BUSY_SHARE of the host's CPU
+    (harness/run/host_cpu.py): a compute-bound method's time there is slower than this host can do. None where no
+    timed run was busy (or none recorded it: runs from before it was)."""
+    runs = comparison.runs
+    if "host_other_cpu_share" not in runs:
+        return None
+    busy = runs[pd.to_numeric(runs["host_other_cpu_share"], errors="coerce") > HOST_BUSY_SHARE]
+    if busy.empty:
+        return None
+    named = ", ".join(
+        f"{r['variant']} on {r['profile']} seed {r['seed']}"
+        + (" (its trace)" if r["how"] == COMPOSED else "")
+        + f" {r['host_other_cpu_share']:.0%}"
+        for _, r in busy.iterrows()
+    )
+    return (
+        f"{FLAG} host busy: other processes took more than {HOST_BUSY_SHARE:.0%} of the host's CPU during "
+        f"{len(busy)} timed run(s) ({named}): those times are slower than this host can do; rerun them on a quiet "
+        "host (the runs' host_other_cpu_share)."
+    )
+
+
 def control_note(group: pd.DataFrame) -> str | None:
     """The flag for a target that `local`, which never communicates, reaches: a speed-up to it says nothing about
     communication. None where local did not run or reached it on no seed."""
@@ -289,6 +313,8 @@ def compare_markdown(comparison: Comparison, command: str | None = None) -> str:
     if validation:
         parts.append(validation + "\n")
     notes = composition_notes(comparison)
+    if busy := host_busy_note(comparison):
+        notes.append(busy)
     notes.append(
         "The speed-up at other targets, from AllReduce's loss at a quarter of its tokens down to its final loss: "
         "speedup_vs_target.csv and figures/speedup-vs-target-*.png (harness/analysis/report/target_curve.py)."
@@ -352,7 +378,7 @@ def write_outputs(comparison: Comparison, out: Path, command: str | None) -> lis
             for profile, group in rows.groupby("profile", sort=False)
         ],
         "validation": _records(comparison.validation),
-        "notes": composition_notes(comparison),
+        "notes": [*composition_notes(comparison), *filter(None, [host_busy_note(comparison)])],
         "failed": list(comparison.failed),
     }
     paths = [out / "compare.json", out / "compare.md", out / "compare.csv", out / "speedup_vs_target.csv"]

@@ -60,7 +60,7 @@ _SUMMARY_SCALARS = (
     "initial_val_loss", "final_val_bpb", "tokenizer", "val_tokens", "eval_s",
     "link_busbw_bps", "regime_target_r", "link_max_excess", "link_conforms", "link_emulator",
     "link_rtt_ms", "link_rtt_target_ms", "link_loss_measured", "link_loss_target", "link_check_ok",
-    "link_trace_error", "link_trace_windows",
+    "link_trace_error", "link_trace_windows", "host_other_cpu_share", "host_steal_share",
 )  # fmt: skip
 
 

@@ -137,6 +137,10 @@ def _figures(profile: str, how: str, run: pd.Series, curve: pd.DataFrame, target
         "regime_target_r": pd.to_numeric(run.get("regime_target_r"), errors="coerce"),
         "val_tokens": pd.to_numeric(run.get("val_tokens"), errors="coerce"),
         "eval_s": pd.to_numeric(run.get("eval_s"), errors="coerce"),
+        # The run whose step times the row's time comes from (the trace, for a composed row): absent before it was
+        # recorded (harness/run/host_cpu.py).
+        "host_other_cpu_share": pd.to_numeric(run.get("host_other_cpu_share"), errors="coerce"),
+        "timed_run": run["path"],
     }
 
 
@@ -169,6 +173,8 @@ def _composed_run(trajectory: pd.Series, trace_run: pd.Series, trace: Trace) -> 
         "trace_problem": trace.problem,
         "trajectory": trajectory["path"],
         "trace": trace_run["path"],
+        "host_other_cpu_share": pd.to_numeric(trace_run.get("host_other_cpu_share"), errors="coerce"),
+        "timed_run": trace_run["path"],
     }
 
 

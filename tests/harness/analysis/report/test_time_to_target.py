@@ -230,3 +230,26 @@ def test_no_regime_note_on_a_link_not_derived_for_one(tmp_path):
     result = analyse(spec, tmp_path)
     assert row(result.rows, "allreduce")["achieved_r"] == pytest.approx(7.0)
     assert "achieved R" not in compare_markdown(result)
+
+
+# --- the host's other work -----------------------------------------------------------------------------------------
+
+
+def test_runs_timed_on_a_busy_host_are_named_and_a_quiet_study_says_nothing(tmp_path):
+    spec = spec_of(composed=("100mbps",), seeds=(0, 1))
+    fake_compare(tmp_path, spec)
+    quiet = {"host_other_cpu_share": 0.02}
+    for summary in tmp_path.rglob("summary.json"):
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), **quiet}))
+    assert "host busy" not in compare_markdown(analyse(spec, tmp_path))
+    for name, share in (("runs/opendiloco-1gbps-s1", 0.31), ("traces/runs/allreduce-100mbps-s0", 0.12)):
+        summary = tmp_path / name / "summary.json"
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), "host_other_cpu_share": share}))
+    result = analyse(spec, tmp_path)
+    note = (
+        "⚠ host busy: other processes took more than 10% of the host's CPU during 2 timed run(s) "
+        "(opendiloco (local_steps=10) on 1gbps seed 1 31%, allreduce on 100mbps seed 0 (its trace) 12%)"
+    )
+    assert note in compare_markdown(result)
+    write_outputs(result, tmp_path, "harness compare ...")
+    assert any(n.startswith(note) for n in json.loads((tmp_path / "compare.json").read_text())["notes"])
