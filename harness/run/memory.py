@@ -10,6 +10,7 @@ data and the interpreter come on top, so a run the check admits can still run sh
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,21 +41,56 @@ def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("
     return min(limits) if limits else None
 
 
+# The transformers decoders whose parameters their config.json bounds from below without building them: the
+# families the pipeline cuts (trainers/hf_models.py). Each has at least an embedding (vocab x hidden), and per layer
+# a query and an output projection (hidden x hidden each) and an MLP of at least two matrices (hidden x its width).
+_DECODER_WIDTH_KEY = {"llama": "intermediate_size", "mistral": "intermediate_size", "qwen2": "intermediate_size",
+                      "qwen3": "intermediate_size", "opt": "ffn_dim"}  # fmt: skip
+
+
+def parameters_at_least(model: str) -> int | None:
+    """A lower bound of the parameters of the transformers decoder whose config `--model` names, read from its JSON
+    alone: importing transformers and building the model on the meta device takes seconds, and a model far too
+    large for the host is refused without either. None where the config is not one of those families, or unreadable
+    (the full check, and validation's own messages, follow)."""
+    path = Path(model).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        fields = json.loads(file.read_text())
+        width_key = _DECODER_WIDTH_KEY[fields["model_type"]]
+        hidden, layers = int(fields["hidden_size"]), int(fields["num_hidden_layers"])
+        width, vocab = int(fields[width_key]), int(fields["vocab_size"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if min(hidden, layers, width, vocab) < 1:
+        return None
+    return vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * width)
+
+
 def required_bytes(shapes: Iterable[tuple[int, ...]], ranks: int, stages: int) -> int:
     """The lower bound of what `ranks` ranks need together, each holding one of `stages` equal slices of the model."""
-    parameters = sum(math.prod(shape) for shape in shapes)
+    return _required(sum(math.prod(shape) for shape in shapes), ranks, stages)
+
+
+def _required(parameters: int, ranks: int, stages: int) -> int:
     return ranks * math.ceil(parameters / stages) * STATE_BYTES_PER_PARAMETER
 
 
 def check_fits(shapes: Iterable[tuple[int, ...]], ranks: int, stages: int, available: int | None) -> None:
     """Raises UserError, naming the estimate and the limit, when the ranks cannot hold the model's state."""
-    shapes = list(shapes)
-    needed = required_bytes(shapes, ranks, stages)
+    check_parameters_fit(sum(math.prod(shape) for shape in shapes), ranks, stages, available)
+
+
+def check_parameters_fit(
+    parameters: int, ranks: int, stages: int, available: int | None, at_least: bool = False
+) -> None:
+    """check_fits from a parameter count (`at_least`: a lower bound, parameters_at_least's)."""
+    needed = _required(parameters, ranks, stages)
     if available is None or needed <= available:
         return
-    parameters = sum(math.prod(shape) for shape in shapes)
     raise UserError(
-        f"the model has {parameters / 1e6:,.1f}M parameters: {ranks} rank(s) need at least {format_bytes(needed)} "
+        f"the model has {'at least ' if at_least else ''}{parameters / 1e6:,.1f}M parameters: {ranks} rank(s) need "
+        f"at least {format_bytes(needed)} "
         f"for its weights, gradients and optimizer state ({STATE_BYTES_PER_PARAMETER} bytes a parameter per rank, "
         f"split over {stages} stage(s)) but this host has {format_bytes(available)} available; use a smaller --model, "
         "fewer --clusters or more --stages"
