@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.trainers.bounds import unigram_entropy_nats
 from tests.trainers.spawn import run_scenarios
 from tests.trainers.toy import TOY_OPTIM, clones, known_offset, method_context, toy_backward, toy_model
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
@@ -321,9 +322,11 @@ def test_payload_on_the_wire_is_low_rank_int4(two_replicas):
 def test_two_replicas_learn_agree_and_adapt(two_replicas):
     first, second = two_replicas["train"]
     for out in two_replicas["train"]:
-        # From 5.56 (ln 256, uniform over bytes) to about 3.2 on either replica (overlap costs a round).
+        # From 5.56 (ln 256, uniform over bytes) to about 3.2 on either replica (overlap costs a round): within a
+        # quarter nat of the training split's unigram entropy (3.14), the best a model that ignores context does,
+        # so the replicas learned the bytes' statistics together (60 steps are too few to pass it).
         assert out["losses"][0] > 5.3
-        assert sum(out["losses"][-10:]) / 10 < 4.0
+        assert sum(out["losses"][-10:]) / 10 < unigram_entropy_nats() + 0.25
         rounds = [r["round"] for r in out["reports"].values()]
         assert rounds == list(range(1, len(rounds) + 1)) and len(rounds) >= 3
         # finish() lands the last exchange and, rounds having grown past what is left, sends the partial last round.
