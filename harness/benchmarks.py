@@ -1,12 +1,15 @@
 """Benchmarks of the harness itself (not of the methods): how long the emulated cluster takes to build and remove,
-and what one TCP stream gets through the userspace delay line."""
+what one TCP stream gets through the userspace delay line, and what emulating more sites costs this host."""
 
 from __future__ import annotations
 
+import resource
 import secrets
 import statistics
 import subprocess
 import time
+from pathlib import Path
+from typing import Any
 
 from harness.backends import make_backend
 from harness.lock import RunLock
@@ -96,3 +99,53 @@ def delay_line_goodput(
 def read_sysctl(prefix: list[str], key: str) -> str:
     """A sysctl as a process started with `prefix` (e.g. in a cluster's namespace) sees it."""
     return subprocess.run([*prefix, "cat", f"/proc/sys/{key}"], capture_output=True, text=True, check=True).stdout
+
+
+# emulation_cost's runs: the tiny model at the smallest batch, long enough for steady steps, one evaluation.
+EMULATION_RUN = {"model": "tiny", "batch_size": 2, "seq_len": 64, "eval_batches": 1, "throughput_warmup_steps": 5}
+
+
+def emulation_cost(site_counts: list[int], method: str, profile: str, steps: int, out: Path) -> list[dict[str, Any]]:
+    """What emulating each number of sites costs this host: one real run per count (one rank per site, the tiny
+    model, `steps` steps on `profile`) into out/sites-<n>, and from its summary and this process's counters: the
+    cluster's build and teardown, the whole run's wall time, every rank's peak resident memory, the harness
+    process's own CPU time (per step and as a share of one core), and the step time and tokens/s the sites reach.
+    The host's other work during each run is recorded beside it (harness/run/host_cpu.py)."""
+    from harness.analysis.plan import build_config
+    from harness.run import runner
+
+    rows = []
+    for sites in site_counts:
+        config = build_config(method, profile, 0, {**EMULATION_RUN, "clusters": sites, "steps": steps,
+                                                   "eval_every": steps})  # fmt: skip
+        started = time.perf_counter()
+        summary = runner.run(config, out / f"sites-{sites}")
+        wall_s = time.perf_counter() - started
+        rss = [b for b in summary.get("peak_rss_bytes_per_rank") or [] if b]
+        harness_cpu_s = summary.get("harness_cpu_s") or 0.0
+        rows.append(
+            {
+                "sites": sites,
+                "status": summary["status"],
+                "failure": summary.get("failure"),
+                "run_wall_s": wall_s,
+                "cluster_setup_s": summary.get("cluster_setup_s"),
+                "cluster_teardown_s": summary.get("cluster_teardown_s"),
+                "ranks_peak_rss_bytes": sum(rss),
+                "rank_peak_rss_bytes_max": max(rss, default=0),
+                # ru_maxrss is the process's peak so far: the largest of this and every earlier count.
+                "harness_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "harness_cpu_s": harness_cpu_s,
+                "harness_cpu_s_per_step": harness_cpu_s / steps,
+                "harness_cores": harness_cpu_s / wall_s,
+                "step_s": summary["tokens"] / summary["steps"] / summary["tokens_per_s"]
+                if summary.get("tokens_per_s")
+                else None,
+                "tokens_per_s": summary.get("tokens_per_s"),
+                # What each site's uplink carried per step, by the kernel's counters (all steps, warm-up included).
+                "wire_bytes_per_site_per_step": (summary.get("wire_bytes") or 0) / sites / steps,
+                "param_count": summary.get("param_count"),
+                "host_other_cpu_share": summary.get("host_other_cpu_share"),
+            }
+        )
+    return rows

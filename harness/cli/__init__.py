@@ -44,6 +44,10 @@ COMMANDS = {
         "harness.cli.machine:bench_cluster",
         "Benchmark building and removing the emulated cluster (namespaces, bridge, veths, qdiscs).",
     ),
+    "bench-sites": Entry(
+        "harness.cli.machine:bench_sites",
+        "Benchmark what emulating more sites costs this host: build, teardown, memory, the harness's CPU per step.",
+    ),
     "bench-delayline": Entry(
         "harness.cli.machine:bench_delayline",
         "Benchmark the userspace delay line: one TCP stream without it and through it at each RTT.",
@@ -84,8 +88,8 @@ COMMANDS = {
 
 
 class _Group(click.Group):
-    """Commands loaded on first use, and the one error path: click's usage errors and the library's UserError
-    print as one line and exit 2; anything else is a bug and keeps its traceback."""
+    """Commands loaded on first use, and the one error path: click's usage errors and the library's UserError (and
+    a broken plugin's PluginError) print as one line and exit 2; anything else is a bug and keeps its traceback."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -117,8 +121,11 @@ class _Group(click.Group):
         except Exception as err:
             # Imported here: harness.errors loads yaml, which `harness --help` does not need.
             from harness.errors import UserError
+            from trainers.registry import PluginError
 
-            if not isinstance(err, UserError):
+            # PluginError: a method from outside the repository that cannot be used, raised where trainers/ (which
+            # must not import harness/) loads it.
+            if not isinstance(err, (UserError, PluginError)):
                 raise
             _fail(str(err))
 

@@ -11,7 +11,7 @@ from rich.text import Text
 
 from harness.cli.common import console, csv_list, print_text, reexec_if_unprivileged
 from harness.cli.options import clusters_option, paths_option, profile_option, stages_option
-from harness.units import format_rate
+from harness.units import format_bytes, format_rate
 
 
 @click.command("doctor")
@@ -67,6 +67,41 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
         f"teardown {figures['teardown_median_s'] * 1000:.0f} ms, total {figures['total_median_s'] * 1000:.0f} ms "
         f"median ({figures['total_max_s'] * 1000:.0f} ms max)"
     )
+
+
+@click.command("bench-sites")
+@click.option("--sites", default="2,4,8,16,20", show_default=True, help="Comma-separated site counts, one run each.")
+@click.option("--method", default="allreduce", show_default=True, help="The method every run trains.")
+@profile_option
+@click.option("--steps", default=30, show_default=True, type=click.IntRange(min=10), help="Steps per run.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for the runs and the table.")
+def bench_sites(sites: str, method: str, profile: str, steps: int, out: Path) -> None:
+    """Benchmark what emulating more sites costs this host: build and teardown, the ranks' and the harness's memory,
+    the harness's CPU per step, and the step time, one real tiny run per site count (OUT/emulation-cost.json)."""
+    import json
+
+    from harness.benchmarks import emulation_cost
+
+    counts = csv_list(sites, int, "--sites")
+    if any(n < 2 for n in counts):
+        raise click.UsageError("--sites counts must be at least 2: one site has no link to emulate")
+    if out.exists():
+        raise click.UsageError(f"{out} exists; name a new folder with --out")
+    reexec_if_unprivileged()
+    rows = emulation_cost(counts, method, profile, steps, out)
+    (out / "emulation-cost.json").write_text(json.dumps(rows, indent=2) + "\n")
+    table = Table("sites", "status", "build", "teardown", "run", "ranks' RSS", "harness RSS", "harness CPU/step",
+                  "harness cores", "step", "other CPU")  # fmt: skip
+    for r in rows:
+        table.add_row(
+            str(r["sites"]), r["status"], f"{r['cluster_setup_s'] or 0:.2f} s", f"{r['cluster_teardown_s'] or 0:.2f} s",
+            f"{r['run_wall_s']:.1f} s", format_bytes(r["ranks_peak_rss_bytes"]),
+            format_bytes(r["harness_peak_rss_bytes"]), f"{r['harness_cpu_s_per_step'] * 1000:.1f} ms",
+            f"{r['harness_cores']:.2f}", f"{r['step_s'] * 1000:.0f} ms" if r["step_s"] else "-",
+            f"{r['host_other_cpu_share'] or 0:.0%}",
+        )  # fmt: skip
+    console.print(table)
+    print_text(f"wrote {out / 'emulation-cost.json'}")
 
 
 @click.command("bench-delayline")

@@ -8,7 +8,7 @@ while a link-bound one barely notices: a perturbed run looks like a slower metho
   run's own processes spent (the harness, and every worker, delay line and tool it started and reaped: getrusage's
   SELF and CHILDREN), over the run's CPU capacity (CPUs x wall time). 0 on an otherwise idle host; 0.25 on two CPUs
   means half a core went elsewhere. A process of the run that is never reaped is counted as "other", so the figure
-  errs towards flagging.
+  errs towards flagging. `run_cpu_s` is the run's own, `harness_cpu_s` the harness process's part of it.
 - `host_steal_share`: on a virtual machine, the time the hypervisor gave the CPUs to other guests, same units.
 
 Above HOST_BUSY_SHARE the comparison report names the run (harness/analysis/report/compare.py); the figure is not
@@ -41,6 +41,7 @@ class _Sample:
     host_steal_s: float
     cpus: int
     own_cpu_s: float  # this process and its reaped descendants
+    harness_cpu_s: float  # this process alone
 
 
 def _read_stat(stat: Path) -> tuple[float, float, int]:
@@ -52,12 +53,13 @@ def _read_stat(stat: Path) -> tuple[float, float, int]:
     return busy / _TICKS_PER_S, steal / _TICKS_PER_S, cpus
 
 
+def _cpu_s(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _own_cpu_s() -> float:
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        total += usage.ru_utime + usage.ru_stime
-    return total
+    return _cpu_s(resource.RUSAGE_SELF) + _cpu_s(resource.RUSAGE_CHILDREN)
 
 
 class HostCpuMeter:
@@ -76,7 +78,7 @@ class HostCpuMeter:
             busy, steal, cpus = _read_stat(self._stat)
         except (OSError, ValueError, IndexError):
             return None
-        return _Sample(time.monotonic(), busy, steal, cpus, _own_cpu_s())
+        return _Sample(time.monotonic(), busy, steal, cpus, _own_cpu_s(), _cpu_s(resource.RUSAGE_SELF))
 
     def read(self) -> dict[str, Any]:
         """The summary's host fields for the time since the meter started ({} where /proc/stat is unreadable)."""
@@ -91,6 +93,8 @@ class HostCpuMeter:
         return {
             "host_cpus": end.cpus,
             "run_cpu_s": run_cpu_s,
+            # The harness process's own share of that (building, watching, tearing down; the ranks are children).
+            "harness_cpu_s": end.harness_cpu_s - self._start.harness_cpu_s,
             "host_other_cpu_share": min(1.0, other_cpu_s / capacity_s),
             "host_steal_share": min(1.0, (end.host_steal_s - self._start.host_steal_s) / capacity_s),
         }

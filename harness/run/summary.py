@@ -309,6 +309,8 @@ def _outcome(records: _Records) -> dict[str, Any]:
         "optimizer_state_bytes_per_rank": [
             records.ranks[r].get("optimizer_state_bytes") for r in sorted(records.ranks)
         ],
+        # Each rank's largest resident set (absent from runs before it was recorded).
+        "peak_rss_bytes_per_rank": [records.ranks[r].get("peak_rss_bytes") for r in sorted(records.ranks)],
         "link_busbw_bps": records.rank0("link_busbw_bps"),
         "device": records.rank0("device"),
         "dist_backend": records.rank0("dist_backend"),

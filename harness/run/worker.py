@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import resource
 import signal
 import statistics
 import sys
@@ -177,6 +178,8 @@ def main() -> int:
                     counter.tx_bytes if counter else None,
                 )
             )
+        # The rank's largest resident set (Linux reports ru_maxrss in KiB): what emulating a site costs the host.
+        result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if tcp_before is not None:
             tcp_after = tcp_counters()
             result["tcp_out_segments"] = tcp_after["OutSegs"] - tcp_before["OutSegs"]
