@@ -211,6 +211,9 @@ class Method(ABC):
     """
 
     config_class: ClassVar[type[MethodConfig]]  # the method's settings; the CLI's flags come from its fields
+    # A method from outside the repository: the name its runs carry (default: the class's name in lower case). A
+    # built-in's name is its key in trainers/registry.py.
+    name: ClassVar[str | None] = None
     keeps_global_copy: ClassVar[bool] = False
 
     def __init__(self, ctx: MethodContext, cfg: MethodConfig):

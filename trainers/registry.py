@@ -1,19 +1,32 @@
 """Method names -> their classes. The one list of what `--method` accepts.
 
-Adding a method takes two files: `trainers/methods/<name>.py`, holding its config dataclass and its `Method` subclass
-(whose `config_class` names the config), and one line here. Its settings (`--set`, `harness methods`, sweeps and
-baselines) are the config's fields, each documented where it is declared (`metadata["help"]`). Modules are
-imported on first use, so listing the names costs nothing (no torch).
+Adding a method to the project takes two files: `trainers/methods/<name>.py`, holding its config dataclass and its
+`Method` subclass (whose `config_class` names the config), and one line in BUILT_IN here. Its settings (`--set`,
+`harness methods`, sweeps and baselines) are the config's fields, each documented where it is declared
+(`metadata["help"]`). Modules are imported on first use, so listing the names costs nothing (no torch).
+
+A method from outside the repository is the same class in a file of its own: `--method path/to/file.py:Class`
+registers it under its `name` (docs/writing-a-method.md), and an installed package lists its methods under the
+`harness.methods` entry point group (name = "module:Class"). A run records where its method came from
+(`method_source` in config.json), so its ranks, `--config` and `harness reproduce` find it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import importlib
+import importlib.metadata
+import importlib.util
+import inspect
 import json
+import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trainers.config import format_value
@@ -21,7 +34,11 @@ from trainers.config import format_value
 if TYPE_CHECKING:
     from trainers.method import Method, MethodContext
 
-METHODS: dict[str, str] = {
+ENTRY_POINT_GROUP = "harness.methods"
+# A plugin's name is a run id's part and a --set prefix: what a built-in's looks like.
+PLUGIN_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+BUILT_IN: dict[str, str] = {
     "allreduce": "trainers.methods.allreduce:AllReduce",
     "opendiloco": "trainers.methods.opendiloco:OpenDiLoCo",
     "cocktail": "trainers.methods.cocktail:Cocktail",
@@ -32,15 +49,143 @@ METHODS: dict[str, str] = {
 }
 
 
+class PluginError(ValueError):
+    """A method from outside the repository that cannot be used; the message names its file and the fix."""
+
+
+def _installed() -> dict[str, str]:
+    """The methods installed packages declare (ENTRY_POINT_GROUP); one that takes a built-in's name is refused."""
+    found = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    clash = sorted(set(found) & set(BUILT_IN))
+    if clash:
+        raise PluginError(
+            f"an installed package declares a {ENTRY_POINT_GROUP} entry point named {clash[0]!r}, a built-in "
+            "method's name; rename its entry point"
+        )
+    return found
+
+
+# Every name --method accepts, to its source: "module:Class", or "/abs/file.py:Class" for a file registered by
+# register_file (this process only; a run's config.json records it for its ranks). Read it through method_names():
+# the installed packages' methods join it on first use (reading the packages' metadata costs ~35 ms at start-up).
+METHODS: dict[str, str] = dict(BUILT_IN)
+
+
+@functools.cache
+def _with_installed() -> None:
+    for name, source in _installed().items():
+        METHODS.setdefault(name, source)
+
+
 def method_names() -> list[str]:
+    _with_installed()
     return list(METHODS)
 
 
+def is_method(name: str) -> bool:
+    return name in method_names()
+
+
+def method_source(name: str) -> str:
+    """Where a method not built in comes from ("" for a built-in): what config.json records as method_source."""
+    _with_installed()
+    return "" if name in BUILT_IN else METHODS.get(name, "")
+
+
 def method_class(name: str) -> type[Method]:
-    if name not in METHODS:
+    if not is_method(name):
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
-    module, _, cls = METHODS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)
+    where, _, cls = METHODS[name].rpartition(":")
+    if where.endswith(".py"):
+        return _file_class(where, cls)
+    try:
+        return getattr(importlib.import_module(where), cls)
+    except (ImportError, AttributeError) as err:
+        raise PluginError(f"method {name!r} ({METHODS[name]}) cannot be loaded: {err}; reinstall its package") from None
+
+
+def is_file_spec(text: str) -> bool:
+    """`text` names a method in a file (path/to/file.py:Class), not a registered name."""
+    path, colon, cls = text.rpartition(":")
+    return bool(colon) and cls.isidentifier() and path.endswith(".py")
+
+
+def register_file(spec: str, expected_name: str | None = None) -> str:
+    """Load the Method subclass `spec` names (path/to/file.py:Class), check it as a method, register it, and return
+    its name: the class's `name`, else the class's own name in lower case. Raises PluginError naming the file.
+    `expected_name`: the name a run recorded for it (a renamed class no longer reruns that run)."""
+    path_text, _, cls_name = spec.rpartition(":")
+    path = Path(path_text).expanduser().absolute()
+    if not path.is_file():
+        raise PluginError(f"method file {path_text} does not exist; pass path/to/file.py:ClassName")
+    cls = _file_class(str(path), cls_name)
+    name = cls.__dict__.get("name") or cls_name.lower()
+    if not isinstance(name, str) or not PLUGIN_NAME.fullmatch(name):
+        raise PluginError(
+            f"{path}: {cls_name}'s method name {name!r} must be 1-32 lower-case letters, digits or _ starting with a "
+            "letter (it names runs and --set prefixes); set its class attribute name"
+        )
+    if expected_name is not None and name != expected_name:
+        raise PluginError(
+            f"{path}: {cls_name} is now named {name!r}, not {expected_name!r} as when the run was made; restore its "
+            "name attribute"
+        )
+    source = f"{path}:{cls_name}"
+    _with_installed()
+    if METHODS.get(name, source) != source:
+        taken = "a built-in method's" if name in BUILT_IN else f"that of {METHODS[name]}"
+        raise PluginError(f"{path}: {cls_name}'s name {name!r} is {taken}; give the class another name attribute")
+    METHODS[name] = source
+    return name
+
+
+@functools.cache
+def _file_class(path: str, cls_name: str) -> type[Method]:
+    """The Method subclass `cls_name` of the Python file at `path`, imported once (as a module of its own name, so
+    its classes pickle and print as themselves) and checked as a method: PluginError otherwise."""
+    from trainers.method import Method, MethodConfig
+
+    module_name = "harness_method_" + hashlib.sha256(path.encode()).hexdigest()[:12]
+    module = sys.modules.get(module_name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise PluginError(f"{path} cannot be imported as Python; pass a .py file")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as err:
+            del sys.modules[module_name]
+            raise PluginError(f"{path} failed to import: {type(err).__name__}: {err}; fix the file") from None
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        defined = sorted(n for n, v in vars(module).items() if isinstance(v, type) and v.__module__ == module_name)
+        raise PluginError(f"{path} has no class {cls_name}; it defines: {', '.join(defined) or 'no classes'}")
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise PluginError(f"{path}: {cls_name} is not a subclass of trainers.method.Method; subclass it")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise PluginError(f"{path}: {cls_name} does not implement {missing}; define it")
+    config_cls = getattr(cls, "config_class", None)
+    if not (
+        dataclasses.is_dataclass(config_cls) and isinstance(config_cls, type) and issubclass(config_cls, MethodConfig)
+    ):
+        raise PluginError(
+            f"{path}: {cls_name}.config_class must be a dataclass subclassing trainers.method.MethodConfig; "
+            "declare one (it may have no fields)"
+        )
+    required = [f.name for f in dataclasses.fields(config_cls) if _no_default(f)]
+    if required:
+        raise PluginError(
+            f"{path}: {config_cls.__name__}'s field {required[0]} has no default; every setting needs one "
+            "(the run's defaults are the config's)"
+        )
+    return cls
+
+
+def _no_default(spec: dataclasses.Field) -> bool:
+    return spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING
 
 
 def option_names(name: str) -> frozenset[str]:
@@ -75,7 +220,10 @@ def method_options() -> dict[str, MethodOption]:
             if known is None:
                 known = MethodOption(kind, {}, "")
             elif _strip_none(kind) != _strip_none(known.kind):
-                raise TypeError(f"method option {f.name} has type {known.kind} in one method and {kind} in {name}")
+                message = f"method option {f.name} has type {known.kind} in one method and {kind} in {name}"
+                if name not in BUILT_IN:
+                    raise PluginError(f"{METHODS[name]}: {message}; give the field another name or the same type")
+                raise TypeError(message)
             elif _optional(kind):
                 known = known._replace(kind=kind)
             if not known.help and f.metadata.get("help"):
@@ -115,7 +263,7 @@ def method_config(name: str, options: dict[str, Any] | None = None) -> Any:
 def with_later_settings(name: str, recorded: dict[str, Any]) -> dict[str, Any]:
     """A run's recorded options with every setting added to the method after the run was made, at the value that
     run ran with (a field's `before_it_existed` metadata): a long-lived reference run stays comparable."""
-    if name not in METHODS:
+    if not is_method(name):
         return recorded
     added = {
         spec.name: spec.metadata["before_it_existed"]
@@ -145,7 +293,7 @@ def applicable_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """`options` less those the others make the method ignore (a field's `applies_when`): a run's recorded options,
     every field included, given back as settings would otherwise be refused by check_applicable, and what they leave
     out changes nothing."""
-    if name not in METHODS:
+    if not is_method(name):
         return options
     fields = {spec.name: spec for spec in dataclasses.fields(method_class(name).config_class)}
     return {

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.run.folder import RunPaths, UnreadableResults, read_environment
-from trainers.registry import METHODS, options_shown, resolved_options, with_later_settings
+from trainers.registry import is_method, options_shown, resolved_options, with_later_settings
 
 AS_GIVEN = "[options as given]"
 
@@ -55,7 +55,7 @@ class RunOptions:
 
 
 def _shown(method: str, resolved: Mapping[str, Any]) -> dict[str, Any]:
-    return options_shown(method, resolved) if method in METHODS else dict(resolved)
+    return options_shown(method, resolved) if is_method(method) else dict(resolved)
 
 
 def run_options(summary: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> RunOptions:
@@ -67,7 +67,7 @@ def run_options(summary: Mapping[str, Any], config: Mapping[str, Any] | None = N
     if given is not None:
         return RunOptions(method, with_later_settings(method, options), dict(given), recorded=True)
     try:
-        resolved = resolved_options(method, options) if method in METHODS else None
+        resolved = resolved_options(method, options) if is_method(method) else None
     except (ValueError, TypeError):
         resolved = None
     return RunOptions(method, resolved, options, recorded=False)

@@ -52,7 +52,7 @@ from harness.run.settings import (
     format_value,
     method_of,
 )
-from trainers.registry import METHODS, option_names
+from trainers.registry import is_method, method_names, option_names
 
 Grid = tuple[tuple[str, tuple[Any, ...]], ...]  # swept settings: key -> its values, in the order given
 # What every comparison is relative to (module doc).
@@ -72,9 +72,9 @@ class SweepError(UserError):
 
 def check_entries(entries: Sequence[str]) -> None:
     """Every --methods entry names a known method, once, with a label a run folder's name can hold."""
-    unknown = [e for e in entries if method_of(e) not in METHODS]
+    unknown = [e for e in entries if not is_method(method_of(e))]
     if unknown:
-        raise SweepError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)}")
+        raise SweepError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(method_names())}")
     repeated = sorted({e for e in entries if entries.count(e) > 1})
     if repeated:
         raise SweepError(
@@ -88,7 +88,7 @@ def check_entries(entries: Sequence[str]) -> None:
 
 
 def all_option_names() -> frozenset[str]:
-    return frozenset().union(*(option_names(m) for m in METHODS))
+    return frozenset().union(*(option_names(m) for m in method_names()))
 
 
 def applies_to(key: str, method: str) -> bool:
@@ -112,7 +112,7 @@ def check_keys_apply(keys: Sequence[str], methods: Sequence[str]) -> None:
     names = {entry: option_names(method_of(entry)) for entry in methods}
     unread = sorted(k for k in set(keys) - CLUSTER_KEYS - TRAIN_KEYS if not any(k in n for n in names.values()))
     if unread:
-        owners = sorted(m for m in METHODS if unread[0] in option_names(m))
+        owners = sorted(m for m in method_names() if unread[0] in option_names(m))
         raise SweepError(
             f"--set {unread[0]} is a setting of {', '.join(owners)}, which --methods ({', '.join(methods)}) does not "
             "run; add the method or leave the setting out"
@@ -263,8 +263,8 @@ class SweepSpec:
         check_keys_apply([*self.settings, *(k for k, _ in self.grid)], self.methods)
         for entry, options in self.per_method.items():
             method = method_of(entry)
-            if method not in METHODS:
-                raise SweepError(f"options given for unknown method {entry!r}; known: {', '.join(METHODS)}")
+            if not is_method(method):
+                raise SweepError(f"options given for unknown method {entry!r}; known: {', '.join(method_names())}")
             # A training setting may differ per method too (a comparison's per-method step counts).
             foreign = sorted(set(options) - option_names(method) - TRAIN_KEYS)
             if foreign:
@@ -423,7 +423,7 @@ class CompareSpec:
         if not (self.profiles or self.composed):
             raise CompareError("name at least one link with --profile (measured) or --composed (composed estimate)")
         if not self.methods:
-            raise CompareError(f"name the methods to compare with --methods; known: {', '.join(METHODS)}")
+            raise CompareError(f"name the methods to compare with --methods; known: {', '.join(method_names())}")
         if BASELINE not in self.methods and self.target_loss is None:
             raise CompareError(
                 f"--methods lacks {BASELINE}, which sets the default target (with {CEILING}) and every speed-up: "
@@ -438,9 +438,9 @@ class CompareSpec:
                 "method would run as local); use --clusters 2 or more"
             )
         # Scoped to a method that does not exist: a typo, not a method left out (warned about, unrun_scope_warnings).
-        strangers = sorted(entry for entry in self.per_method if method_of(entry) not in METHODS)
+        strangers = sorted(entry for entry in self.per_method if not is_method(method_of(entry)))
         if strangers:
-            raise CompareError(f"options given for unknown method {strangers[0]!r}; known: {', '.join(METHODS)}")
+            raise CompareError(f"options given for unknown method {strangers[0]!r}; known: {', '.join(method_names())}")
         unknown = sorted(set(self.selected_on) - {method_of(m) for m in self.methods})
         if unknown:
             raise CompareError(f"--selected-on names {', '.join(unknown)}, which --methods does not run")

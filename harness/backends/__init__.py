@@ -23,7 +23,7 @@ class Capabilities:
     link_faults: bool
     # The link probe (UDP echo between two clusters' namespaces) before a delay/jitter/loss run.
     link_check: bool
-    # Its ranks are processes on this host's CPU cores (so more ranks than cores share them).
+    # Its ranks are processes on this host's CPU cores (so more ranks than cores share them) and read its files.
     ranks_share_host_cpus: bool
     # The optional package its module needs (an extra of this project), and its module's
     # `unavailable_reason(world_size, gpus)`, which says why it cannot run here; None: it needs nothing more.

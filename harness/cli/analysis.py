@@ -164,6 +164,7 @@ def project(
     (--accelerator-tflops, --accelerators-per-site, --mfu).
     """
     from harness.analysis.projection import project as project_model
+    from harness.run.config import resolve_method
     from harness.run.settings import parse_assignments, run_settings
 
     if validate_results:
@@ -176,6 +177,7 @@ def project(
         if None in (accelerator_tflops, accelerators_per_site, mfu):
             raise click.UsageError("--accelerator-tflops, --accelerators-per-site and --mfu go together")
         accelerator = project_model.Accelerator(accelerator_tflops, accelerators_per_site, mfu)
+    method = resolve_method(method)
     settings = {"batch_size": batch_size, "seq_len": seq_len, **run_settings(method, parse_assignments(assignments))}
     prediction = project_model.project(
         method, model, profile, clusters, settings, list(compute_from), compute_s, accelerator,

@@ -127,10 +127,10 @@ def compare(
     from harness.analysis.experiments.sweep import SweepInterrupted
     from harness.analysis.plan import CompareSpec, fixed_settings, parse_method_steps, parse_selected_on, with_control
     from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
-    from harness.run.settings import parse_assignments
+    from harness.run.settings import parse_assignments, resolve_entries
 
+    listed = resolve_entries(csv_list(methods, option="--methods"))
     settings, per_method = fixed_settings(parse_assignments(assignments), "a comparison")
-    listed = csv_list(methods, option="--methods")
     spec = CompareSpec(
         methods=with_control(listed) if control else listed,
         profiles=_profiles(profiles, "--profile"),

@@ -14,8 +14,11 @@ from harness.cli.common import console, print_text
 @click.option("--markdown", is_flag=True, help="Print every method's settings as docs/methods.md holds them.")
 def methods(method, markdown):
     """List the methods, or one method's settings (give them with --set KEY=VALUE or --set METHOD.KEY=VALUE)."""
+    from harness.run.config import resolve_method
     from harness.run.settings import method_settings, settings_markdown
     from trainers.registry import method_class, method_names
+
+    method = None if method is None else resolve_method(method)
 
     if markdown:
         click.echo(settings_markdown(method_names() if method is None else [method]), nl=False)

@@ -34,7 +34,13 @@ def profile_option(command):
 
 
 def method_option(default: str) -> Decorator:
-    return click.option("--method", default=default, show_default=True, help=f"One of: {', '.join(method_names())}.")
+    return click.option(
+        "--method",
+        default=default,
+        show_default=True,
+        help=f"One of: {', '.join(method_names())}; or path/to/file.py:Class, a method of your own "
+        "(docs/writing-a-method.md).",
+    )
 
 
 def _shape_option(flag: str, help_text: str, default: int | None, config_default: int) -> Decorator:

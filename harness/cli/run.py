@@ -27,7 +27,7 @@ from harness.cli.options import (
     stages_option,
     train_options,
 )
-from harness.run.config import RunConfig
+from harness.run.config import RunConfig, resolve_method
 from harness.units import format_rate
 
 out_option = click.option(
@@ -172,13 +172,14 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
         profile = profile if _on_command_line(ctx, "profile") else from_file.profile
     else:
         given = {k: v for k, v in settings.items() if v is not None}
+        method = resolve_method(method)
     method_settings = run_settings(method, parse_assignments(assignments))
     config = RunConfig.build(method, profile, **{**base, **given, **method_settings})
     if config_file is not None:
         overridden = {"model_config", "model_checkpoint"} if "model" in given else set()
         overridden |= {k for k in ("data", "tokenizer") if k in given}
         recorded = {k: v for k, v in from_file.inputs.items() if k not in overridden}
-        check_unchanged(recorded, config.train, config_file)
+        check_unchanged(recorded, config.train, config_file, config.method_source)
     summary = _validate_and_execute(signals, config, out)
     print_summary(summary, _same_setup(ctx, given, assignments))
     sys.exit(_exit_code(summary))

@@ -54,12 +54,13 @@ def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, **
     from harness.analysis.experiments.regime import regime_profile
     from harness.analysis.experiments.sweep import SweepInterrupted, run_sweep, validate_sweep
     from harness.analysis.plan import SweepSpec, sweep_settings
-    from harness.run.settings import parse_assignments
+    from harness.run.settings import parse_assignments, resolve_entries
 
+    listed = resolve_entries(csv_list(methods, option="--methods"))
     fixed, grid, per_method = sweep_settings(parse_assignments(assignments))
     settings = {**{k: v for k, v in flags.items() if v is not None}, **fixed}
     spec = SweepSpec(
-        methods=csv_list(methods, option="--methods"),
+        methods=listed,
         profiles=csv_list(profiles, option="--profiles"),
         seeds=csv_list(seeds, int, "--seeds"),
         grid=grid,

@@ -26,8 +26,9 @@ from harness.net.trace import replays_rate
 from harness.process import run_interruptibly
 from harness.run.faults import Fault, check_faults, parse_fault
 from harness.run.inputs import absolute_paths, input_record
-from harness.run.memory import available_bytes, check_fits
+from harness.run.memory import available_bytes, check_fits, check_parameters_fit, parameters_at_least
 from trainers.config import OptimConfig, TrainConfig
+from trainers.registry import is_file_spec
 from trainers.tokenizer import BYTES
 
 if TYPE_CHECKING:
@@ -76,6 +77,17 @@ def check_finite_options(options: dict[str, Any]) -> None:
 LINK_EMULATORS = ("auto", "netem", "userspace")
 
 
+def resolve_method(text: str) -> str:
+    """The method `text` names: a registered name as it is, or path/to/file.py:Class registered from its file
+    (trainers/registry.py) under the name it gives; raises UserError naming the file."""
+    from trainers.registry import PluginError, is_file_spec, register_file
+
+    try:
+        return register_file(text) if is_file_spec(text) else text
+    except PluginError as err:
+        raise UserError(str(err)) from None
+
+
 @dataclass
 class RunConfig:
     method: str
@@ -106,8 +118,19 @@ class RunConfig:
     # Short, unique and safe in interface names (15 characters at most): it prefixes every kernel object a run makes.
     run_key: str = field(default_factory=lambda: "hx" + secrets.token_hex(3))
     run_id: str = ""
+    # Where a method not built in comes from (trainers/registry.py): /abs/file.py:Class, or an installed package's
+    # module:Class; "" for a built-in. Filled in from the registry; a config read back registers its file again.
+    method_source: str = ""
 
     def __post_init__(self) -> None:
+        from trainers.registry import PluginError, is_file_spec, method_source, register_file
+
+        try:
+            if is_file_spec(self.method_source):
+                register_file(self.method_source, expected_name=self.method)
+        except PluginError as err:
+            raise UserError(str(err)) from None
+        self.method_source = self.method_source or method_source(self.method)
         if not self.run_id:
             stamp = time.strftime("%Y%m%dT%H%M%S")
             self.run_id = f"{stamp}-{self.method}-{self.profile.name}-{self.run_key}"
@@ -140,16 +163,11 @@ class RunConfig:
             link=self.profile.inter_cluster,
         )
         self._check_trace()
-        if self.tensorboard:
-            from harness.run.tensorboard import check_available
-
-            check_available()
-        if self.wandb:
-            from harness.run import weights_and_biases
-
-            weights_and_biases.check_available()
+        self._check_scalar_writers()
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
+        ranks_share_memory = capabilities(self.backend).ranks_share_host_cpus
+        self._check_host_side(ranks_share_memory)
         try:
             self.train.validate()
             # Imported here: the model and method registries load torch, which commands that only read
@@ -174,7 +192,7 @@ class RunConfig:
         except (ValueError, TypeError) as err:
             raise UserError(str(err)) from None
         # Ranks that share the host's cores share its memory too (netns); a container's GPU memory is not checked.
-        if capabilities(self.backend).ranks_share_host_cpus:
+        if ranks_share_memory:
             check_fits(shapes, self.clusters * self.stages, self.stages, available_bytes())
         # Built here, where a setting the method refuses is named before the host is touched; kept for its readers.
         from trainers.registry import check_applicable
@@ -203,6 +221,32 @@ class RunConfig:
                 check() if self.train.tokenizer == BYTES else run_interruptibly(check)
             except ValueError as err:
                 raise UserError(str(err)) from None
+
+    def _check_scalar_writers(self) -> None:
+        """--tensorboard and --wandb need their optional packages (harness/run/tensorboard.py and wandb)."""
+        if self.tensorboard:
+            from harness.run.tensorboard import check_available
+
+            check_available()
+        if self.wandb:
+            from harness.run import weights_and_biases
+
+            weights_and_biases.check_available()
+
+    def _check_host_side(self, ranks_on_this_host: bool) -> None:
+        """Before transformers is imported and the model built on the meta device (seconds): a decoder far too large
+        for the host is refused from its config.json alone (harness/run/memory.py's parameters_at_least); ranks
+        elsewhere (containers) cannot load a method from a file on this host."""
+        if ranks_on_this_host:
+            bound = parameters_at_least(self.train.model)
+            if bound is not None:
+                check_parameters_fit(bound, self.clusters * self.stages, self.stages, available_bytes(), at_least=True)
+        elif is_file_spec(self.method_source):
+            raise UserError(
+                f"the {self.backend} backend's ranks do not see this host's files, so they cannot load the method "
+                f"from {self.method_source.rpartition(':')[0]}; use --backend netns, or install it in the image as a "
+                "package with a harness.methods entry point"
+            )
 
     def _check_trace(self) -> None:
         """A replayed trace (harness/net/trace.py) needs links that change under a live run, and sets the rate alone."""
@@ -278,7 +322,8 @@ class RunConfig:
 
     def save(self, path: Path) -> None:
         """config.json: the config, and the hashes of the files outside the repository it reads (inputs.py)."""
-        path.write_text(json.dumps({**self.to_dict(), "inputs": input_record(self.train)}, indent=2))
+        inputs = input_record(self.train, self.method_source)
+        path.write_text(json.dumps({**self.to_dict(), "inputs": inputs}, indent=2))
 
     @classmethod
     def build(
@@ -312,7 +357,7 @@ class RunConfig:
         if "throughput_warmup_steps" not in train_settings and train.throughput_warmup_steps >= train.steps:
             train = dataclasses.replace(train, throughput_warmup_steps=train.steps // 10)
         return cls(
-            method=method,
+            method=resolve_method(method),
             profile=profile if isinstance(profile, Profile) else load_profile(profile),
             train=train,
             method_options=settings,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.config import TrainConfig
+from trainers.registry import is_file_spec
 
 CHUNK_BYTES = 1 << 20
 
@@ -51,8 +52,9 @@ def _names_a_model_file(model: str) -> bool:
     return model not in MODEL_CONFIGS
 
 
-def input_record(train: TrainConfig) -> dict[str, Any]:
-    """config.json's `inputs`: for each outside input the run reads, where from and the SHA-256 of what was read."""
+def input_record(train: TrainConfig, method_source: str = "") -> dict[str, Any]:
+    """config.json's `inputs`: for each outside input the run reads, where from and the SHA-256 of what was read
+    (`method_source`: a method from a file, whose file is one)."""
     from trainers.data import corpus_sha256
     from trainers.hf_models import load_config
     from trainers.models import MODEL_CONFIGS
@@ -72,16 +74,18 @@ def input_record(train: TrainConfig) -> dict[str, Any]:
     spec = parse_tokenizer(train.tokenizer)
     if spec.kind == "file":
         record["tokenizer"] = _file(spec.path)
+    if is_file_spec(method_source):
+        record["method"] = _file(Path(method_source.rpartition(":")[0]))
     return record
 
 
-def check_unchanged(recorded: dict[str, Any], train: TrainConfig, source: Path) -> None:
+def check_unchanged(recorded: dict[str, Any], train: TrainConfig, source: Path, method_source: str = "") -> None:
     """Refuse to rerun the run whose config.json (`source`) recorded `recorded` where a file it read, still at the
     same path, has changed since: the rerun would not be that run. Raises UserError naming the file."""
     from harness.errors import UserError
 
     try:
-        now = input_record(train)
+        now = input_record(train, method_source)
     except (OSError, ValueError):
         return  # a file gone or unreadable: validation refuses it in its own words
     for name, then in recorded.items():

@@ -62,7 +62,7 @@ def prepare(run_dir: Path) -> Reproduction:
         )
     given = settings_from_file(run_dir)
     config = RunConfig.build(given.method, given.profile, **given.settings)
-    check_unchanged(given.inputs, config.train, paths.config)
+    check_unchanged(given.inputs, config.train, paths.config, config.method_source)
     return Reproduction(run_dir, config, stored, _differences(paths))
 
 

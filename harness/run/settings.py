@@ -83,6 +83,20 @@ def parse_assignments(texts: Iterable[str]) -> list[Assignment]:
     return [parse_assignment(text) for text in texts]
 
 
+def resolve_entries(entries: Sequence[str]) -> list[str]:
+    """--methods entries (METHOD or METHOD@LABEL) with each METHOD given as path/to/file.py:Class registered and
+    replaced by its name (harness/run/config.py's resolve_method); raises UserError naming the file."""
+    from harness.run.config import resolve_method
+    from trainers.registry import is_file_spec
+
+    resolved = []
+    for entry in entries:
+        plain = is_file_spec(entry) or VARIANT_MARK not in entry
+        method, mark, label = (entry, "", "") if plain else entry.rpartition(VARIANT_MARK)
+        resolved.append(resolve_method(method) + mark + label)
+    return resolved
+
+
 def method_of(entry: str) -> str:
     """'dilocox@paper' -> 'dilocox'."""
     return entry.partition(VARIANT_MARK)[0]
@@ -205,7 +219,7 @@ def settings_markdown(methods: Sequence[str]) -> str:
 
 # Keys of a config.json that describe the run that was, not a setting of the next one.
 RECORD_ONLY_KEYS = frozenset(
-    {"run_id", "run_key", "collective_timeout_s", "method_options_given", "calibrate", "inputs"}
+    {"run_id", "run_key", "collective_timeout_s", "method_options_given", "calibrate", "inputs", "method_source"}
 )
 FILE_RUN_KEYS = ("clusters", "stages", "backend", "gpus", "link_emulator", "faults", "tensorboard", "wandb")
 
@@ -263,14 +277,31 @@ def settings_from_file(path: Any) -> FileSettings:
             "code?); remove them from the file to run with today's"
         )
     settings.update(train)
-    settings.update(applicable_options(data["method"], data.get("method_options") or {}))
+    method = _method_of(data, file)
+    settings.update(applicable_options(method, data.get("method_options") or {}))
     profile = data["profile"]
     return FileSettings(
-        data["method"],
+        method,
         Profile.from_dict(profile) if isinstance(profile, dict) else profile,
         settings,
         data.get("inputs") or {},
     )
+
+
+def _method_of(data: dict[str, Any], file: Any) -> str:
+    """The config's method, its file registered where it came from one (a config.json's method_source, or a YAML's
+    method: path/to/file.py:Class); raises SettingError naming the file."""
+    from trainers.registry import PluginError, is_file_spec, register_file
+
+    method, source = str(data["method"]), data.get("method_source") or ""
+    try:
+        if is_file_spec(method):
+            return register_file(method)
+        if is_file_spec(source):
+            register_file(source, expected_name=method)
+    except PluginError as err:
+        raise SettingError(f"{file}: {err}") from None
+    return method
 
 
 def _as_tuple(value: Any) -> tuple:

@@ -38,7 +38,7 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "trainers" / "methods" / f"{METHOD}.py").write_text(renamed)
     registry = root / "trainers" / "registry.py"
     lines = registry.read_text().splitlines(keepends=True)
-    opening = next(i for i, line in enumerate(lines) if line.startswith("METHODS"))
+    opening = next(i for i, line in enumerate(lines) if line.startswith("BUILT_IN"))
     lines.insert(opening + 1, REGISTRY_LINE)
     registry.write_text("".join(lines))
     return root

@@ -28,7 +28,7 @@ from harness.net.profiles import known_profiles, load_profile
 from harness.run.config import check_method_options
 from harness.run.folder import RunPaths, find_run_dirs, read_config, read_environment, read_summary
 from harness.run.settings import format_value as format_setting
-from trainers.registry import METHODS
+from trainers.registry import PluginError, is_file_spec, is_method, method_names, register_file
 
 DEFAULT_REPEATS = 3
 HEX = "0123456789abcdef"
@@ -220,12 +220,25 @@ def _check(entry: Any, index: int, folder: Path) -> MethodCheck:
             "of repeats (`harness baseline --diff OLD NEW` shows what changed)"
         )
     _require_keys(entry, CHECK_KEYS, allowed, where)
-    if entry["method"] not in METHODS:
-        raise BaselineError(f"{where}: unknown method {entry['method']!r}; known methods: {', '.join(METHODS)}")
+    method = _resolve_method(entry["method"], where, folder)
     bands = tuple(_band(metric, entry[metric], where) for metric in METRICS if metric in entry)
     if not bands:
-        raise BaselineError(f"{where} ({entry['method']}) has no band; give it at least one of {', '.join(METRICS)}")
-    return MethodCheck(entry["method"], _resolve_profile(entry["profile"], where, folder), bands)
+        raise BaselineError(f"{where} ({method}) has no band; give it at least one of {', '.join(METRICS)}")
+    return MethodCheck(method, _resolve_profile(entry["profile"], where, folder), bands)
+
+
+def _resolve_method(method: Any, where: str, folder: Path) -> str:
+    """A check's method: a registered name, or path/to/file.py:Class (relative to the baseline's folder) registered
+    from its file under the name it gives."""
+    if isinstance(method, str) and is_file_spec(method):
+        path, _, cls = method.rpartition(":")
+        try:
+            return register_file(f"{folder / Path(path).expanduser()}:{cls}")
+        except PluginError as err:
+            raise BaselineError(f"{where}: {err}") from None
+    if not is_method(method):
+        raise BaselineError(f"{where}: unknown method {method!r}; known methods: {', '.join(method_names())}")
+    return method
 
 
 def _run_section(run: Any) -> tuple[dict[str, Any], dict[str, dict[str, Any]], int, int]:
