@@ -76,8 +76,10 @@ def bench_cluster(profile: str, clusters: int, stages: int, repeats: int) -> Non
 @click.option("--steps", default=30, show_default=True, type=click.IntRange(min=10), help="Steps per run.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder for the runs and the table.")
 def bench_sites(sites: str, method: str, profile: str, steps: int, out: Path) -> None:
-    """Benchmark what emulating more sites costs this host: build and teardown, the ranks' and the harness's memory,
-    the harness's CPU per step, and the step time, one real tiny run per site count (OUT/emulation-cost.json)."""
+    """Benchmark what emulating more sites costs this host: build, teardown, memory, the harness's CPU per step.
+
+    One real run of the tiny model per site count: the cluster's build and teardown, every rank's and the harness's
+    peak memory, the harness's CPU per step, the step time (OUT/emulation-cost.json)."""
     import json
 
     from harness.benchmarks import emulation_cost
