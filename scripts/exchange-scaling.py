@@ -9,6 +9,7 @@ Also each design's bytes over the gather's at the same site count, and the kerne
 payload count, which differ by the TCP/IP framing.
 
     scripts/exchange-scaling.py results/reference/exchange-scaling-tiny
+    scripts/exchange-scaling.py DIR [DIR ...]    (the runs of several sweeps, e.g. 2 and 20 sites on one link)
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from harness.run.folder import find_run_dirs, read_summary
 LAWS = {"gather": lambda n: n - 1, "reduce": lambda n: 2 * (n - 1) / n}
 
 
-def rows(results: Path) -> list[dict]:
+def rows(results: list[Path]) -> list[dict]:
     out = []
-    for run_dir, _ in find_run_dirs([results]):
+    for run_dir, _ in find_run_dirs(results):
         summary = read_summary(run_dir)
         if summary.get("status") != "ok" or summary["method"] != "dilocox":
             continue
@@ -59,6 +60,6 @@ def table(measured: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) < 2:
         sys.exit(__doc__)
-    print(table(rows(Path(sys.argv[1]))))
+    print(table(rows([Path(arg) for arg in sys.argv[1:]])))

@@ -346,6 +346,9 @@ class CompareSpec:
     # is composed there (harness/analysis/experiments/compare.py).
     predicted_run_s: Mapping[str, float] = field(default_factory=dict)
     measure_limit_s: float | None = None
+    # Each composed method's step time on its --composed link as the link model predicts it, from a compute time
+    # measured when the comparison ran: what makes its trace long enough in wall-clock (projection/composition.py).
+    trace_step_s: Mapping[str, float] = field(default_factory=dict)
 
     def trajectory_of(self, profile: str) -> str:
         """Where a composed profile's loss trajectory comes from: its own full runs where measured; for a split link
@@ -402,10 +405,14 @@ class CompareSpec:
         return self._cadences
 
     def trace_steps(self) -> dict[str, int]:
-        """Each method's trace length (projection/composition.py's Cadence.trace_steps); none without --composed."""
+        """Each method's trace length (projection/composition.py's Cadence.trace_steps, at its trace_step_s where
+        predicted); none without --composed."""
         if not self.composed:
             return {}
-        return {m: c.trace_steps(self.full_config(m).train.steps) for m, c in self.cadences().items()}
+        return {
+            m: c.trace_steps(self.full_config(m).train.steps, self.trace_step_s.get(m))
+            for m, c in self.cadences().items()
+        }
 
     def trace_sweep(self) -> SweepSpec | None:
         if not self.composed:
@@ -477,6 +484,7 @@ class CompareSpec:
             "regime": self.regime,
             "measure_limit_s": self.measure_limit_s,
             "predicted_run_s": dict(self.predicted_run_s),
+            "trace_step_s": dict(self.trace_step_s),
             "composed_methods": {profile_name(p): list(ms) for p, ms in self.composed_methods.items()},
             "selected_on": {m: list(seeds) for m, seeds in self.selected_on.items()},
         }

@@ -30,6 +30,7 @@ A profile's ``sites`` give single sites an access link of their own: ``rate`` (o
 their two hops: a site with ``delay: 80ms`` on a profile with ``delay: 20ms`` is 80 + 10 ms one-way from every
 other site. A site's LinkSpec holds path figures like every LinkSpec (``hop_*`` halves them), so it stores twice its
 hop's delay and jitter and the loss whose hop share is the site's; ``Profile.path`` composes two sites' hops.
+A profile's ``site_rates`` draws many sites' rates from a stated distribution instead (harness/net/site_rates.py).
 """
 
 from __future__ import annotations
@@ -482,6 +483,9 @@ class Profile:
     sites: dict[int, SiteLink] = field(default_factory=dict)
     # The inter_cluster link's rate and/or delay over time (a profile's `trace`); its first row is inter_cluster's.
     trace: LinkTrace | None = None
+    # How `sites` rates were drawn, where a profile's `site_rates` drew them: SiteRateDraw.to_dict()
+    # (harness/net/site_rates.py), recorded beside the rates.
+    site_draw: dict | None = None
 
     @property
     def needs_netem(self) -> bool:
@@ -520,6 +524,12 @@ class Profile:
     def topology_lines(self) -> list[str]:
         """The sites around the switch and what shapes each one's link, for `harness profiles show`."""
         lines = ["every site --[" + self.inter_cluster.describe() + "]--> switch <--[same]-- every other site"]
+        if self.site_draw is not None:
+            draw = self.site_draw
+            lines.append(
+                f"  sites 0-{draw['sites'] - 1}: rates drawn {draw['distribution']} from {format_rate(draw['low_bps'])}"
+                f" to {format_rate(draw['high_bps'])}, seed {draw['seed']} (each listed below)"
+            )
         for site, link in sorted(self.sites.items()):
             up = format_rate(link.up.rate_bps) if link.up.rate_bps else "unshaped"
             down = format_rate(link.down.rate_bps) if link.down.rate_bps else "unshaped"
@@ -561,6 +571,7 @@ class Profile:
             "intra_cluster": self.intra_cluster.to_dict(),
             "sites": {str(site): link.to_dict() for site, link in sorted(self.sites.items())},
             "trace": self.trace.to_dict() if self.trace else None,
+            "site_rates": self.site_draw,
         }
 
     @classmethod
@@ -577,4 +588,5 @@ class Profile:
                 for site, link in data.get("sites", {}).items()
             },
             LinkTrace.from_dict(data["trace"]) if data.get("trace") else None,
+            data.get("site_rates"),
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness.errors import read_yaml
 from harness.net.link import LinkSpec, Profile, ProfileError, SiteLink, parse_rate_bps
+from harness.net.site_rates import SiteRateDraw
 from harness.net.trace import check_rows, load_trace, max_rate_bps, with_first_row
 from harness.net.tracepoints import LinkTrace
 from harness.units import format_rate
@@ -21,7 +22,7 @@ PROFILE_DIR = Path(__file__).resolve().parents[2] / "netem_profiles"
 # the CPU, not the qdisc, sets the rate and the benchmark would silently measure the wrong link. Override with
 # HARNESS_MAX_RATE.
 SHAPEABLE_BPS_PER_CORE = 1.5e9
-_PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster", "sites", "trace"}
+_PROFILE_KEYS = {"description", "inter_cluster", "intra_cluster", "sites", "site_rates", "trace"}
 
 
 def known_profiles() -> list[str]:
@@ -62,7 +63,7 @@ def load_profile(name_or_path: str) -> Profile:
     trace = _trace(data, path)
     link_yaml = data.get("inter_cluster")
     if trace is not None:
-        if sites:
+        if sites or "site_rates" in data:
             raise ProfileError(
                 f"{path.name} has a trace and sites; a trace replays every site's link alike, so remove one of them"
             )
@@ -75,6 +76,9 @@ def load_profile(name_or_path: str) -> Profile:
         raise ProfileError(
             f"{path.name}: sites must map site numbers (0, 1, ...) to their links, e.g. sites: {{1: {{rate: 100mbit}}}}"
         )
+    draw = SiteRateDraw.from_yaml(data["site_rates"], f"{path.name}: site_rates") if "site_rates" in data else None
+    if draw is not None:
+        sites = {**{site: {"rate": f"{rate}bit"} for site, rate in draw.rates_bps().items()}, **sites}
     return Profile(
         name=path.stem,
         description=str(data.get("description", "")),
@@ -86,6 +90,7 @@ def load_profile(name_or_path: str) -> Profile:
             for site, link in sorted(sites.items())
         },
         trace=trace,
+        site_draw=draw.to_dict() if draw else None,
     )
 
 

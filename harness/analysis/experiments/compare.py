@@ -14,6 +14,15 @@ beside it:
 
     OUT/profiles/<target>.yaml, .json   with --regime: the link derived for the published regime when the study
                                        started (harness/analysis/experiments/regime.py), reused when it resumes
+    OUT/compute/compute.json            with --composed and no --regime: the compute time per step measured when the
+                                       study started (`local`, unshaped), reused when it resumes
+
+A trace is made long enough in wall-clock to average a machine whose speed drifts (MIN_TRACE_S,
+harness/analysis/projection/composition.py): its steps come from its step time on its composed link as the link model
+predicts it (predicted_run_s) from the compute time measured when the study started (--regime's T_c, or
+OUT/compute/). A method composed on several links shares one trace length, the one its slowest-stepping link needs
+(the fewest steps), so that link's trace stays affordable; on a faster link the trace may then last less than
+MIN_TRACE_S, and is flagged not steady.
 
 With --regime the comparison derives its link first, from `local` measured then, so the study runs at the regime it
 claims; on that link every method whose run the link model predicts to take at most --measure-limit here is
@@ -32,10 +41,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.analysis.experiments.regime import check_request, regime_profile
+from harness.analysis.experiments.regime import check_request, measure_compute, regime_profile
 from harness.analysis.experiments.sweep import IndexRow, SilentObserver, SweepObserver, run_sweep
 from harness.analysis.plan import TRACES_DIR, TRAJECTORY_PROFILE, Combination, CompareSpec
 from harness.analysis.projection.link_model import LinkModel, ProjectionError, default_window_bytes, schedule
+from harness.analysis.projection.regime import get_target
 from harness.analysis.report.time_to_target import Comparison, analyse
 from harness.run import runner
 
@@ -91,6 +101,30 @@ def with_regime_link(
     )
 
 
+def with_trace_step_s(spec: CompareSpec, out: Path, progress: Callable[[str], None] = lambda line: None) -> CompareSpec:
+    """`spec` with each composed method's predicted step time on its composed links (module doc): the longest over
+    them, which plans the fewest steps. T_c is measured once per study, even with --force, so that its traces keep
+    their length."""
+    if spec.regime is not None:
+        compute_s = float(
+            json.loads((out / "profiles" / f"{get_target(spec.regime).name}.json").read_text())["compute_s"]
+        )
+    else:
+        record = out / "compute" / "compute.json"
+        if not record.is_file():
+            measured = measure_compute(dict(spec.settings), record.parent, progress)
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({"compute_s": measured}, indent=2) + "\n")
+        compute_s = float(json.loads(record.read_text())["compute_s"])
+    step_s: dict[str, float] = {}
+    for link in spec.composed:
+        for method in spec.composed_on(link):
+            steps = spec.full_config(method).train.steps
+            predicted = predicted_run_s(spec, method, link, compute_s) / steps
+            step_s[method] = max(step_s.get(method, 0.0), predicted)
+    return dataclasses.replace(spec, trace_step_s=step_s)
+
+
 def run_compare(
     spec: CompareSpec,
     out: Path,
@@ -110,6 +144,8 @@ def run_compare(
     if spec.regime is not None and not spec.predicted_run_s:
         spec = with_regime_link(spec, out, force, spec.measure_limit_s or MEASURE_LIMIT_S, progress)
         validate_compare(spec)
+    if spec.composed and not spec.trace_step_s:
+        spec = with_trace_step_s(spec, out, progress)
     traces = spec.trace_sweep()
     total = len(spec.full_sweep().combinations()) + (len(traces.combinations()) if traces is not None else 0)
     counted = _Counted(observer or SilentObserver(), total)

@@ -101,16 +101,11 @@ def _probe_allreduce_s(regime: Regime, rate_bps: int) -> float:
     return PROBE_ALLREDUCE_STEPS * (regime.compute_s + 8 * regime.payload_bytes / rate_bps)
 
 
-def derive_regime(
-    target_name: str,
-    settings: Mapping[str, Any],
-    work_dir: Path,
-    progress: Callable[[str], None] = lambda line: None,
-) -> Regime:
-    """Measure T_c with a `local` run in work_dir/measure-compute, derive the link (module doc), then correct it
-    closed-loop against short `local` and `allreduce` runs on it; writes work_dir/regime.json. `progress` is told
-    of each measurement, one line each (the probes on a slow link take minutes)."""
-    target = get_target(target_name)
+def measure_compute(
+    settings: Mapping[str, Any], work_dir: Path, progress: Callable[[str], None] = lambda line: None
+) -> float:
+    """T_c, a step's compute time with `settings`: the median step of a `local` run on an unshaped link, in
+    work_dir/measure-compute."""
     work_dir.mkdir(parents=True, exist_ok=True)
     measure = {
         **settings,
@@ -122,7 +117,21 @@ def derive_regime(
     config = build_config("local", "unshaped", 0, measure)
     progress(f"measuring the compute time per step: {MEASURE_STEPS} local steps on an unshaped link")
     summary = _run("local", "unshaped", measure, work_dir / "measure-compute")
-    compute_s = measure_compute_s(Path(summary["results_dir"]), config.stages, config.clusters, MEASURE_WARMUP_STEPS)
+    return measure_compute_s(Path(summary["results_dir"]), config.stages, config.clusters, MEASURE_WARMUP_STEPS)
+
+
+def derive_regime(
+    target_name: str,
+    settings: Mapping[str, Any],
+    work_dir: Path,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Regime:
+    """Measure T_c with a `local` run in work_dir/measure-compute, derive the link (module doc), then correct it
+    closed-loop against short `local` and `allreduce` runs on it; writes work_dir/regime.json. `progress` is told
+    of each measurement, one line each (the probes on a slow link take minutes)."""
+    target = get_target(target_name)
+    compute_s = measure_compute(settings, work_dir, progress)
+    config = build_config("local", "unshaped", 0, settings)
     model = get_model_config(config.train.model)
     seq_len = config.train.seq_len or model.max_seq_len
     regime = Regime(

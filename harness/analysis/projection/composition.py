@@ -10,19 +10,23 @@ a link too slow for AllReduce to reach a loss in reasonable time here, the time 
     the trace        a short run of the same settings on the slow link: its step times d_i (wall-clock between step
                      events, evaluation left out, as `elapsed_s` in harness/analysis/report/tables.py)
 
-    T(k*) = sum of d_i for i < min(k*, s0)  +  max(0, k* - s0) x mean(d_i over the steady-state window)
+    T(k*) = sum of d_i for i < min(k*, s1)  +  max(0, k* - s1) x mean(d_i over the steady-state window [s0, s1))
 
 The steady-state window starts at s0, the first synchronization-round boundary at or after the warm-up (the run's
 throughput warm-up, the method's own warm-up exchanges, and the first round where its first exchange pays TCP's slow
-start), and ends at the trace's last round boundary: whole rounds only, so a round's one slow exchange step is
-counted once per round. The composition is exact where k* falls on a round boundary (evaluations every multiple of
-H) and within one round's exchange time elsewhere.
+start), and ends at s1, the trace's last round boundary: whole rounds only, so a round's one slow exchange step is
+counted once per round. Where the trace covers k* the composed time is the trace's own; beyond it, exact where k*
+falls on a round boundary (evaluations every multiple of H) and within one round's exchange time elsewhere.
 
-The trace is trusted (steady) when its window holds at least MIN_ROUNDS whole rounds and MIN_STEADY_STEPS steps, and
-the mean step times of its first and second halves (by rounds) differ by at most STEADY_TOLERANCE; otherwise the
-composed figure is still computed and flagged with the reason. A method that adapts its rounds during a run
-(DiLoCoX's H_t and r_t) has its first rounds in the trace, which its plan says send the most bytes per step: its
-composed time is then likely an overestimate.
+The trace is trusted (steady) when its window holds at least MIN_ROUNDS whole rounds and MIN_STEADY_STEPS steps,
+lasts at least MIN_TRACE_S of wall-clock, and the mean step times of its first and second halves (by rounds) differ by
+at most STEADY_TOLERANCE; otherwise the composed figure is still computed and flagged with the reason. The time
+floor is there because a compute-bound run's speed drifts on a shared machine: in the 2,000-step study, 100-step
+windows of one run differed by 18-75%, and 20-step traces of DeMo and CocktailSGD composed 8-9% short of the measured
+time. A trace is planned that long from its step time as the link model predicts it (Cadence.trace_steps).
+
+A method that adapts its rounds during a run (DiLoCoX's H_t and r_t) has its first rounds in the trace, which its plan
+says send the most bytes per step: its composed time is then likely an overestimate.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from harness.run.config import RunConfig
 
 MIN_STEADY_STEPS = 20
 MIN_ROUNDS = 2
+MIN_TRACE_S = 30.0
 STEADY_TOLERANCE = 0.10
 
 
@@ -63,14 +68,17 @@ class Cadence:
         steady_from = max(config.train.throughput_warmup_steps, first + slow_start, 1)
         return cls(every, first, steady_from, bool(plan and plan.adaptive), bool(plan and plan.hidden_steps))
 
-    def trace_steps(self, full_steps: int) -> int:
-        """Steps of a trace run: its warm-up to the first round boundary, then enough whole rounds for the check (one
-        more for a method whose rounds grow as it adapts, and one more for a method whose last round holds its
-        drained exchange); never longer than the full run, which it would replace."""
+    def trace_steps(self, full_steps: int, step_s: float | None = None) -> int:
+        """Steps of a trace run: its warm-up to the first round boundary, then enough whole rounds for the check, and
+        for MIN_TRACE_S at `step_s` a step when a prediction is given (one more round for a method whose rounds grow
+        as it adapts, and one more for a method whose last round holds its drained exchange); never longer than the
+        full run, which it would replace."""
         h = self.every_steps
         start = self.first_round_step + math.ceil((self.steady_from - self.first_round_step) / h) * h
-        rounds = max(MIN_ROUNDS, math.ceil(MIN_STEADY_STEPS / h)) + self.adaptive + self.drains_at_end
-        return min(start + rounds * h, full_steps)
+        rounds = max(MIN_ROUNDS, math.ceil(MIN_STEADY_STEPS / h))
+        if step_s is not None and step_s > 0:
+            rounds = max(rounds, math.ceil(MIN_TRACE_S / (step_s * h)))
+        return min(start + (rounds + self.adaptive + self.drains_at_end) * h, full_steps)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,11 @@ class Trace:
         return sum(self.step_s[self.window_start : self.window_end]) / self.window_steps
 
     @property
+    def window_s(self) -> float:
+        """The window's wall-clock."""
+        return float(sum(self.step_s[self.window_start : self.window_end]))
+
+    @property
     def drift(self) -> float:
         """Second half's mean step time over the first's, less 1."""
         if not self.first_half_step_s > 0:
@@ -109,13 +122,16 @@ class Trace:
             return f"{self.rounds} whole round(s) after warm-up, fewer than {MIN_ROUNDS}"
         if self.window_steps < MIN_STEADY_STEPS:
             return f"{self.window_steps} steady-state steps, fewer than {MIN_STEADY_STEPS}"
+        if self.window_s < MIN_TRACE_S:
+            return f"its steady-state window lasted {self.window_s:.1f} s, shorter than {MIN_TRACE_S:.0f} s"
         if math.isnan(self.drift) or abs(self.drift) > STEADY_TOLERANCE:
             return f"its halves' mean step times differ by {self.drift:+.0%}, more than {STEADY_TOLERANCE:.0%}"
         return None
 
     def time_to(self, steps: int) -> float:
-        """T(steps): the trace's own first steps up to s0, then the steady-state mean per step (module doc)."""
-        measured = min(steps, self.window_start, len(self.step_s))
+        """T(steps): the trace's own steps up to the window's end s1, then the steady-state mean per step (module
+        doc)."""
+        measured = min(steps, self.window_end if self.window_steps else self.window_start, len(self.step_s))
         rest = steps - measured
         if rest <= 0:
             return float(sum(self.step_s[:measured]))

@@ -4,7 +4,9 @@ per-step losses on two different links."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -15,6 +17,7 @@ from harness.analysis.experiments import compare as compare_experiment
 from harness.analysis.experiments.compare import run_compare
 from harness.analysis.experiments.sweep import run_sweep
 from harness.analysis.plan import Combination, CompareError, SweepError, SweepSpec, parse_method_steps
+from harness.analysis.projection.composition import MIN_TRACE_S
 from harness.analysis.report.tables import load_runs
 from harness.analysis.report.time_to_target import MEASURED
 from harness.run import runner
@@ -82,6 +85,9 @@ def test_a_compare_runs_both_sweeps_resumes_and_leaves_a_folder_report_reads(tmp
         return json.loads((out / "summary.json").read_text())
 
     monkeypatch.setattr(runner, "run", run)
+    # T_c, which plans the traces' length, is measured once per study (a real `local` run; here a stand-in).
+    measured: list[str] = []
+    monkeypatch.setattr(compare_experiment, "measure_compute", lambda s, work, p: measured.append(work.name) or 0.01)
     args = ["compare", "--methods", "allreduce,opendiloco", "--profile", "1gbps", "--composed", "100mbps",
             "--seeds", "0", "--steps", "40", "--set", "opendiloco.local_steps=10", "--no-control",
             "--out", str(tmp_path)]  # fmt: skip
@@ -94,6 +100,7 @@ def test_a_compare_runs_both_sweeps_resumes_and_leaves_a_folder_report_reads(tmp
     assert {p.name for p in tmp_path.iterdir()} >= {"compare.json", "compare.md", "compare.csv", "figures", "traces"}
     again = CliRunner().invoke(cli.main, args)
     assert again.exit_code == 0 and len(calls) == 6  # resumed: nothing ran again
+    assert measured == ["compute"]  # and T_c was not measured again
     report = CliRunner().invoke(cli.main, ["report", str(tmp_path)])
     assert report.exit_code == 0 and "| allreduce" in report.output
 
@@ -154,6 +161,7 @@ def test_progress_counts_the_comparisons_runs_across_its_seeds_and_sweeps(tmp_pa
             pass
 
     monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(compare_experiment, "measure_compute", lambda settings, work, progress: 0.01)
     spec = spec_of(seeds=(0, 1), composed=("100mbps",))
     positions = Positions()
     run_compare(spec, tmp_path, observer=positions)
@@ -241,3 +249,24 @@ def test_regime_derives_its_link_first_and_composes_only_what_would_not_finish(t
 def test_measure_limit_without_regime_is_refused():
     with pytest.raises(CompareError, match="--measure-limit applies only with --regime"):
         spec_of(measure_limit_s=60.0).validate()
+
+
+def test_traces_are_planned_long_enough_from_the_compute_measured_when_the_study_started(tmp_path, monkeypatch):
+    """A composed method's trace lasts MIN_TRACE_S at its predicted step time on the composed link: T_c measured once
+    (OUT/compute/compute.json) plus the link's time for its payload. AllReduce on 100 Mbit/s at 50 ms of compute:
+    3,502,080 bytes at 94 Mbit/s of goodput, 0.35 s a step, so 87 one-step rounds after its 5 warm-up steps where
+    the rounds' minimum alone gave 25."""
+    measured: list[str] = []
+    monkeypatch.setattr(
+        compare_experiment, "measure_compute", lambda settings, work, progress: measured.append(work.name) or 0.05
+    )
+    spec = dataclasses.replace(spec_of(composed=("100mbps",), seeds=(0,)), settings={"steps": 2000})
+    planned = compare_experiment.with_trace_step_s(spec, tmp_path)
+    step_s = 0.05 + 8 * 3_502_080 / (100e6 * 0.94)
+    assert planned.trace_step_s["allreduce"] == pytest.approx(step_s, rel=0.02)
+    assert planned.trace_steps()["allreduce"] == pytest.approx(5 + math.ceil(MIN_TRACE_S / step_s), abs=2)
+    assert spec.trace_steps()["allreduce"] == 25
+    # Resumed: the study's own T_c is reused, not measured again, so its traces keep their length.
+    again = compare_experiment.with_trace_step_s(spec, tmp_path)
+    assert measured == ["compute"] and again.trace_step_s == planned.trace_step_s
+    assert json.loads((tmp_path / "compute" / "compute.json").read_text()) == {"compute_s": 0.05}
