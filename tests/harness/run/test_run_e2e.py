@@ -7,9 +7,11 @@ import os
 import signal
 import subprocess
 import time
+import warnings
 
 import pytest
 
+from harness.run.host_cpu import HOST_BUSY_SHARE
 from harness.userns import user_namespaces_work
 from tests.harness.e2e import HARNESS, SMALL_RUN, harness, rank_pid, run_marker, summary_of, wait_for_steps
 from tests.harness.hoststate import leftovers, snapshot, worker_pids
@@ -54,15 +56,22 @@ def test_calibration_measures_the_shaped_rate(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
     busbw = summary["link_busbw_bps"]
-    # Above 0.8: the link is usable; below 1.0: tbf really limits it (an unshaped veth runs at several Gbit/s).
-    assert 0.8e8 < busbw < 1.0e8, busbw
+    # Below 1.0: tbf really limits it (an unshaped veth runs at several Gbit/s), however loaded the host is.
+    assert busbw < 1.0e8 and summary["link_single_stream_bps"] < 1.0e8, summary
+    # Above 0.8: the link is usable. Other work on the host slows the ranks that fill it, so this holds by the rule
+    # the harness applies to every timed run (harness/run/host_cpu.py): when other processes took at most
+    # HOST_BUSY_SHARE of the CPU; a busier host's figure is one the harness itself flags for a rerun.
+    if summary["host_other_cpu_share"] <= HOST_BUSY_SHARE:
+        assert busbw > 0.8e8 and summary["link_single_stream_bps"] > 0.8e8, summary
+    else:
+        share = summary["host_other_cpu_share"]
+        warnings.warn(f"host busy ({share:.0%} other CPU): the 0.8 x rate floor not checked", stacklevel=1)
     # The default queue at 100 Mbit/s and no delay: four GSO segments; tbf got exactly that as its limit.
     assert summary["link_queue_bytes"] == 4 * 64 * 1024
     environment = json.loads((out / "environment.json").read_text())
     assert {q["limit_bytes"] for q in environment["kernel_qdiscs"] if q["kind"] == "tbf"} == {4 * 64 * 1024}
-    # Both streams ran at the rate; behind two full queues a round trip is longer than idle, and no longer than
-    # the idle one plus both queues' drain time.
-    assert 0.8e8 < summary["link_single_stream_bps"] < 1.0e8, summary
+    # Behind two full queues a round trip is longer than idle, and no longer than the idle one plus both queues'
+    # drain time.
     idle, one, both = (summary[k] for k in ("link_rtt_ms", "link_loaded_rtt_one_way_ms", "link_loaded_rtt_ms"))
     assert idle < one <= idle + summary["link_queue_delay_ms"] + 5, (idle, one)
     assert idle < both <= idle + 2 * summary["link_queue_delay_ms"] + 5, (idle, both)
