@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
+import os
 import re
 import sys
 import types
@@ -115,7 +116,8 @@ def register_file(spec: str, expected_name: str | None = None) -> str:
     its name: the class's `name`, else the class's own name in lower case. Raises PluginError naming the file.
     `expected_name`: the name a run recorded for it (a renamed class no longer reruns that run)."""
     path_text, _, cls_name = spec.rpartition(":")
-    path = Path(path_text).expanduser().absolute()
+    # Normalized (os.path.abspath drops "x/.."), so one file named two ways registers as one source.
+    path = Path(os.path.abspath(Path(path_text).expanduser()))
     if not path.is_file():
         raise PluginError(f"method file {path_text} does not exist; pass path/to/file.py:ClassName")
     cls = _file_class(str(path), cls_name)

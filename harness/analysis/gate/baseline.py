@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from harness.analysis.plan import SweepError, check_keys
 from harness.analysis.report.markdown import markdown_table
 from harness.net.profiles import known_profiles
 from harness.run.config import RunConfig
-from trainers.registry import options_shown
+from trainers.registry import is_file_spec, options_shown
 
 TOLERANCE_K = 3.2
 MIN_REPEATS = 5
@@ -94,6 +94,8 @@ class Derived:
     results: str  # the folder, as the user named it
     repeats: int  # the repeats the bands were derived from (the file's run: repeats is what a check makes)
     machine: str = ""  # where the runs were measured, from their environment.json
+    # A method from a file (trainers/registry.py) -> its /abs/file.py:Class, which the file names relative to itself.
+    method_files: Mapping[str, str] = field(default_factory=dict)
 
 
 def _one_configuration(runs: Sequence[StoredRun], results: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -193,7 +195,9 @@ def derive_baseline(results: Path, reference_code: str | None = None) -> Derived
     repeats = min(len(g) for g in groups.values())
     baseline = Baseline(tuple(checks), _run_settings(settings), method_options, seed, CHECK_REPEATS, reference_code)
     counts = {key: len(group) for key, group in groups.items()}
-    return Derived(baseline, medians, counts, where, repeats, _machine(runs))
+    files = {run.method: run.config.get("method_source", "") for run in runs}
+    files = {method: source for method, source in files.items() if is_file_spec(source)}
+    return Derived(baseline, medians, counts, where, repeats, _machine(runs), files)
 
 
 def _machine(runs: Sequence[StoredRun]) -> str:
@@ -246,6 +250,15 @@ def _flow(value: Any) -> str:
 
 def _shown_profile(profile: str, folder: Path) -> str:
     return profile if profile in known_profiles() else os.path.relpath(profile, folder.resolve())
+
+
+def _shown_method(method: str, files: Mapping[str, str], folder: Path) -> str:
+    """A check's method as the file names it: a built-in's or installed method's name, or a method's file relative
+    to the baseline's folder (bands.py reads it back from there), so the baseline checks it without a hand edit."""
+    if method not in files:
+        return method
+    path, _, cls = files[method].rpartition(":")
+    return f"{os.path.relpath(path, folder.resolve())}:{cls}"
 
 
 def _band_comment(band: Band) -> str:
@@ -303,7 +316,7 @@ def baseline_text(derived: Derived, out: Path) -> str:
         median = derived.medians[key]
         facts = [f"{derived.runs[key]} runs", f"median {median['tokens_per_s'] or 0:,.0f} tokens/s"]
         lines.append(f"  # {check.method} on {check.profile_name}: {', '.join(facts)}")
-        lines.append(f"  - method: {check.method}")
+        lines.append(f"  - method: {_shown_method(check.method, derived.method_files, out.parent)}")
         lines.append(f"    profile: {_flow(_shown_profile(check.profile, out.parent))}")
         width = max(len(b.metric) for b in check.bands) + 1
         for band in check.bands:

@@ -3,6 +3,7 @@ results it refuses to derive from."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import statistics
 import subprocess
@@ -194,3 +195,17 @@ def test_diff_reads_a_baseline_of_the_former_format(reference, tmp_path):
     assert "utilisation (dropped)" in out.output and "step_overhead (new)" in out.output
     bad = CliRunner().invoke(main, ["baseline", "--diff", str(old), str(path), "--out", str(tmp_path / "x.yaml")])
     assert bad.exit_code == 2 and "--diff OLD NEW compares two files" in bad.output
+
+
+def test_a_baseline_of_a_method_from_a_file_names_the_file_so_it_checks_without_an_edit(tmp_path):
+    plugin = Path(__file__).resolve().parents[4] / "examples" / "local_int8.py"
+    results = tmp_path / "results"
+    for repeat in range(REPEATS):
+        write_run(results, f"r{repeat}", f"{plugin}:LocalInt8", profile="100mbps", steps=STEPS, sync_every=10,
+                  tokens_per_s=1000.0 * (1 + 0.01 * repeat))  # fmt: skip
+    out = tmp_path / "gate" / "baseline.yaml"
+    write_baseline(results, out)
+    expected = f"{os.path.relpath(plugin, out.parent)}:LocalInt8"
+    assert f"  - method: {expected}\n" in out.read_text()
+    (check,) = load_baseline(out).checks
+    assert check.method == "localint8"
