@@ -28,7 +28,8 @@ from harness.lock import (
     owner_alive,
     release_claims,
 )
-from harness.run.folder import DEFAULT_RUNS_DIR, STAGING_SUFFIX, run_key_of
+from harness.run.folder import DEFAULT_RUNS_DIR, STAGING_SUFFIX, RunPaths, run_key_of
+from trainers.checkpoint import latest_complete
 
 # A results staging folder: `.<name>.partial` next to where the finished folder will be (harness/run/folder.py).
 PARTIAL_FOLDER = re.compile(r"^\..+" + re.escape(STAGING_SUFFIX) + "$")
@@ -134,6 +135,14 @@ def cleanup(run_key: str | None = None, results_dirs: Iterable[Path] | None = No
         partials = stale_partials(results_dirs, run_key)
         partials += [p for p in _staging_of_dead_runs(run_key) if p not in partials]
         for folder in partials:
+            if latest_complete(RunPaths(folder).checkpoints) is not None:
+                # The run's training so far: `harness run --resume` continues it (harness/run/resume.py).
+                final = folder.parent / folder.name[1 : -len(STAGING_SUFFIX)]
+                report.not_checked.append(
+                    f"results folder {folder} kept: it holds a checkpoint; continue its run with harness run "
+                    f"--resume {final}, or remove the folder"
+                )
+                continue
             try:
                 shutil.rmtree(folder)
                 report.partial_folders.append(folder)

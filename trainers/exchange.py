@@ -26,7 +26,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -126,6 +126,14 @@ class RoundExchange(ABC):
     def state_bytes(self) -> int:
         return tensor_bytes(self.error_feedback.residuals.values())
 
+    def state_dict(self) -> dict[str, Any]:
+        """What carries from one exchange to the next (a checkpoint's, between exchanges): e_i per parameter."""
+        return {"error_feedback": self.error_feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # A checkpoint drops empty mappings (nothing to save before the first exchange).
+        self.error_feedback.load_state_dict(state.get("error_feedback", {}))
+
     def _estimate(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, InFlight]:
         """rank_totals of `tensors`, and, where the rank adapts, their all-reduce over the replicas started (so the
         window gets the replicas' mean)."""
@@ -214,6 +222,13 @@ class LowRankGather(RoundExchange):
         sent.rank_totals, sent.estimate = self._estimate(compensated)
         sent.own_share = transmitted if keep_own else None
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "warm_start": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.compressor.load_state_dict(state.get("warm_start", {}))
+
     def _average(self, sent: Sent, theta: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
         # Decoding needs only the shapes and the rank the payloads were made with.
         decoder = LowRankQuantizeCompressor(sent.rank, self.settings.bits, self.settings.bucket_size)
@@ -268,6 +283,13 @@ class SharedBasisReduce(RoundExchange):
         if adapts:
             # Filled in from the reduced estimate once the exchange lands (_average): [mean x matrices, matrices].
             sent.rank_totals = torch.tensor([math.nan, count], dtype=RANK_TOTALS_DTYPE)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "basis": self.reducer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.reducer.load_state_dict(state.get("basis", {}))
 
     def _average(self, sent: Sent, theta: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict]:
         if self.pending is sent.inflight:

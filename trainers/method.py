@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.config import OptimConfig
-from trainers.optim import InnerOptimizer
+from trainers.optim import InnerOptimizer, optimizer_state
 
 Collective = Literal["all-reduce", "all-gather"]
 
@@ -85,6 +85,11 @@ class MethodConfig:
     def check_shapes(self, shapes: Sequence[torch.Size]) -> None:
         """Refuse, with a ValueError naming the flag, settings that cannot work on a model of these parameter
         shapes (checked before a run starts); the default accepts every model."""
+
+    def checkpoint_refusal(self) -> str | None:
+        """Why a run with these settings cannot be checkpointed, as the fix to make (None: it can, where the
+        method is `resumable`)."""
+        return None
 
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan | None:
         """How the method uses the slow link when a replica's parameters have these shapes (the whole model: a
@@ -211,6 +216,8 @@ class Method(ABC):
     """
 
     config_class: ClassVar[type[MethodConfig]]  # the method's settings; the CLI's flags come from its fields
+    # Whether state_dict holds all the method keeps, so a checkpointed run resumes bit for bit (checkpoint_every).
+    resumable: ClassVar[bool] = False
     # A method from outside the repository: the name its runs carry (default: the class's name in lower case). A
     # built-in's name is its key in trainers/registry.py.
     name: ClassVar[str | None] = None
@@ -252,6 +259,31 @@ class Method(ABC):
         if self.keeps_global_copy:
             return swapped_in(self.params, self.global_params)
         return contextlib.nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the method keeps between steps besides the model's own weights, as torch tensors and plain
+        values: what a checkpoint saves (trainers/checkpoint.py) so that a resumed run continues bit for bit. The
+        base class's part: the inner AdamW and its schedule, and theta_global. A method that keeps more extends it
+        and `load_state_dict`; one that cannot be resumed leaves `resumable` False (the run refuses
+        checkpoint_every for it)."""
+        return {
+            "inner_optimizer": self.inner.optimizer.state_dict(),
+            "inner_schedule": self.inner.scheduler.state_dict(),
+            "global_params": self.global_params,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict`'s output, on a method built from the same config and context."""
+        self.inner.optimizer.load_state_dict(optimizer_state(state["inner_optimizer"]))
+        self.inner.scheduler.load_state_dict(state["inner_schedule"])
+        if self.global_params:
+            copy_into(state["global_params"], self.global_params)
+
+    def checkpointable(self) -> bool:
+        """Whether the state now is all in `state_dict`: nothing in flight on the link. A checkpoint is taken at
+        the first step where this holds once the interval is due, the same step on every rank (the methods'
+        schedules are identical everywhere)."""
+        return True
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: the inner AdamW moments and theta_global.
@@ -298,6 +330,18 @@ class BlockingRounds(Method):
 
     def applied_steps(self, trained_steps: int) -> int:
         return self.synchronized_steps
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "steps_in_round": self.steps_in_round,
+            "synchronized_steps": self.synchronized_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.steps_in_round = state["steps_in_round"]
+        self.synchronized_steps = state["synchronized_steps"]
 
     def _end_round(self) -> SyncReport:
         report = self.outer_step()

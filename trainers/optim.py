@@ -94,6 +94,19 @@ class OuterOptimizer:
         """The momentum buffer."""
         return optimizer_state_bytes(self.optimizer)
 
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(optimizer_state(state))
+
+
+def optimizer_state(saved: dict) -> dict:
+    """A torch optimizer's state_dict as a checkpoint gives it back, ready for load_state_dict:
+    torch.distributed.checkpoint keeps dict keys as strings, and an optimizer's state is keyed by the parameters'
+    integer positions."""
+    return {**saved, "state": {int(index): value for index, value in saved.get("state", {}).items()}}
+
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by an optimizer's state tensors (moments, momentum buffers)."""

@@ -64,6 +64,10 @@ class Overlap(ABC):
     def drain(self) -> Sent | None:
         return None
 
+    def idle(self) -> bool:
+        """Nothing in flight between rounds (what a checkpoint needs)."""
+        return True
+
     @abstractmethod
     def hidden_steps(self, local_steps: int) -> int: ...
 
@@ -110,6 +114,9 @@ class Delayed(Overlap):
     def drain(self) -> Sent | None:
         pending, self.in_flight = self.in_flight, None
         return pending
+
+    def idle(self) -> bool:
+        return self.in_flight is None
 
     def hidden_steps(self, local_steps: int) -> int:
         return local_steps

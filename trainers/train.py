@@ -6,14 +6,17 @@ method is evaluated at the same token counts on the same held-out batches.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from trainers.checkpoint import latest_complete, load_rank, mark_complete, save_rank
 from trainers.config import TrainConfig
 from trainers.data import data_phase, load_corpus, replica_batches, validation_batches
 from trainers.method import MethodContext
@@ -128,6 +131,24 @@ def _sync_fields(report: Any) -> dict[str, Any]:
     return {f"sync_{k}": v for k, v in report.as_event().items()}
 
 
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where a run's checkpoints lie (trainers/checkpoint.py) and how often to write them; a run whose folder holds
+    a complete one resumes from it."""
+
+    directory: Path
+    every_steps: int = 0  # 0: never write one (a run may still resume from one written before)
+
+
+@dataclass
+class _Progress:
+    """The train loop's record of the run so far: what a checkpoint carries besides the method's state."""
+
+    start_step: int = 0
+    losses: list[float] = field(default_factory=list)
+    wire_bytes: int = 0  # bytes this rank's uplink carried in the steps before start_step
+
+
 def train(
     cfg: TrainConfig,
     method_name: str,
@@ -135,18 +156,26 @@ def train(
     par: ParallelContext,
     log: EventLog,
     read_wire_bytes: Callable[[], int] | None = None,
+    checkpointing: Checkpointing | None = None,
 ) -> dict[str, Any]:
-    """Train one rank's part of one replica; returns this rank's end-of-run figures."""
+    """Train one rank's part of one replica, from the run's latest checkpoint if it has one; returns this rank's
+    end-of-run figures (those of time, of the steps since it started or resumed)."""
     setup = _set_up(cfg, method_name, method_config, par, log)
     stage, method, tokens_per_step = setup.stage, setup.method, setup.tokens_per_step
     evaluate = _Evaluator(setup, log)
-    evaluate(0)
+    progress = _resume(setup, evaluate, par, checkpointing, log)
+    if progress.start_step == 0:
+        evaluate(0)
+    saver = _Saver(setup, evaluate, par, checkpointing, progress.start_step, log)
     dist.barrier()
-    wire_start = read_wire_bytes() if read_wire_bytes else None
+    # Counted on from where the checkpoint left it, so a step's wire_bytes means the same in a resumed run.
+    wire_start = read_wire_bytes() - progress.wire_bytes if read_wire_bytes else None
+    # A resumed run's throughput window is its own: the steps since it resumed, after their own warm-up.
+    window_first_step = progress.start_step + min(cfg.throughput_warmup_steps, cfg.steps - progress.start_step - 1)
     window_start = time.perf_counter()
-    eval_s_at_window_start = evaluate.total_s
-    losses = []
-    for step in range(cfg.steps):
+    excluded_s_at_window_start = evaluate.total_s
+    losses = progress.losses
+    for step in range(progress.start_step, cfg.steps):
         started = time.perf_counter()
         inputs, targets = (t.to(par.device, non_blocking=True) for t in next(setup.batches))
         loss = stage.forward_backward(inputs, targets)
@@ -174,19 +203,84 @@ def train(
         log(event)
         for final_report in final_reports:
             log({"kind": "finish", "step": step, **_sync_fields(final_report)})
-        if step + 1 == cfg.throughput_warmup_steps:
+        if step + 1 == window_first_step:
             window_start = ended
-            eval_s_at_window_start = evaluate.total_s
+            excluded_s_at_window_start = evaluate.total_s + saver.total_s
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             evaluate(step + 1)
+        if step + 1 < cfg.steps:
+            saver.maybe_save(step + 1, losses, lambda: read_wire_bytes() - wire_start if read_wire_bytes else 0)
     window_end = time.perf_counter()
     dist.barrier()
     wire_bytes = read_wire_bytes() - wire_start if read_wire_bytes else None
-    window_s = window_end - window_start - (evaluate.total_s - eval_s_at_window_start)
-    result = _result(cfg, method, losses, evaluate.val_loss, window_s, tokens_per_step, wire_bytes)
+    window_s = window_end - window_start - (evaluate.total_s + saver.total_s - excluded_s_at_window_start)
+    result = _result(cfg, method, losses, evaluate.val_loss, window_s, tokens_per_step, wire_bytes, window_first_step)
     result["final_val_bpb"] = setup.bits_per_byte(evaluate.val_loss)
+    if progress.start_step:
+        result["resumed_at_step"] = progress.start_step
     log({"kind": "end", **result})
     return result
+
+
+def _resume(
+    setup: _Setup, evaluate: _Evaluator, par: ParallelContext, checkpointing: Checkpointing | None, log: EventLog
+) -> _Progress:
+    """Load the run's latest complete checkpoint into the freshly built stage and method, if there is one."""
+    step = latest_complete(checkpointing.directory) if checkpointing else None
+    if step is None:
+        return _Progress()
+    state = load_rank(checkpointing.directory, step, par.rank)
+    setup.stage.module.load_state_dict(state["model"])
+    setup.method.load_state_dict(state["method"])
+    torch.set_rng_state(state["rng"])
+    # The batches of the steps already trained, drawn and dropped: the stream is a function of (seed, replica).
+    next(itertools.islice(setup.batches, step, step), None)
+    evaluate.val_loss = state["val_loss"]
+    log({"kind": "resume", "step": step})
+    return _Progress(step, list(state["losses"]), state["wire_bytes"])
+
+
+class _Saver:
+    """Writes a checkpoint every `every_steps` steps, at the first step from then on where the method has nothing
+    in flight (the same step on every rank), and keeps its time, which tokens/s leaves out as it does evaluation."""
+
+    def __init__(
+        self,
+        setup: _Setup,
+        evaluate: _Evaluator,
+        par: ParallelContext,
+        checkpointing: Checkpointing | None,
+        start_step: int,
+        log: EventLog,
+    ):
+        self.setup, self.evaluate, self.par, self.log = setup, evaluate, par, log
+        self.directory = checkpointing.directory if checkpointing else None
+        self.every_steps = checkpointing.every_steps if checkpointing else 0
+        self.last_step = start_step
+        self.total_s = 0.0
+
+    def maybe_save(self, steps_done: int, losses: list[float], wire_bytes: Callable[[], int]) -> None:
+        """`wire_bytes`: this rank's uplink bytes so far, read only when a checkpoint is taken (a read costs)."""
+        due = self.every_steps and steps_done - self.last_step >= self.every_steps
+        if not due or not self.setup.method.checkpointable():
+            return
+        started = time.perf_counter()
+        state = {
+            "model": self.setup.stage.module.state_dict(),
+            "method": self.setup.method.state_dict(),
+            "rng": torch.get_rng_state(),
+            "losses": losses,
+            "val_loss": self.evaluate.val_loss,
+            "wire_bytes": wire_bytes(),
+        }
+        save_rank(self.directory, steps_done, self.par.rank, state)
+        dist.barrier()
+        if self.par.rank == 0:
+            mark_complete(self.directory, steps_done)
+        self.last_step = steps_done
+        save_s = time.perf_counter() - started
+        self.total_s += save_s
+        self.log({"kind": "checkpoint", "step": steps_done, "save_s": save_s})
 
 
 def _result(
@@ -197,9 +291,10 @@ def _result(
     window_s: float,
     tokens_per_step: int,
     wire_bytes: int | None,
+    window_first_step: int,
 ) -> dict[str, Any]:
     """This rank's end-of-run figures."""
-    window_steps = cfg.steps - cfg.throughput_warmup_steps
+    window_steps = cfg.steps - window_first_step
     tail = losses[-min(10, len(losses)) :]
     # Applied steps are a prefix of the run: those of the window are the ones after its warm-up steps.
     applied_steps = method.applied_steps(cfg.steps)
@@ -208,7 +303,7 @@ def _result(
         "final_val_loss": val_loss,
         "window_steps": window_steps,
         "window_tokens": window_steps * tokens_per_step,
-        "window_applied_tokens": max(0, applied_steps - cfg.throughput_warmup_steps) * tokens_per_step,
+        "window_applied_tokens": max(0, applied_steps - window_first_step) * tokens_per_step,
         "window_s": window_s,
         "tokens": cfg.steps * tokens_per_step,
         "applied_tokens": applied_steps * tokens_per_step,

@@ -45,7 +45,7 @@ from harness.analysis.projection.composition import Cadence
 from harness.errors import UserError
 from harness.run.config import RunConfig
 from harness.run.settings import (
-    CLUSTER_KEYS,
+    RUN_KEYS,
     TRAIN_KEYS,
     VARIANT_MARK,
     Assignment,
@@ -97,7 +97,7 @@ def applies_to(key: str, method: str) -> bool:
 
 
 def check_keys(keys: Sequence[str]) -> None:
-    known = CLUSTER_KEYS | TRAIN_KEYS | all_option_names()
+    known = RUN_KEYS | all_option_names()
     unknown = sorted(set(keys) - known)
     if unknown:
         raise SweepError(
@@ -110,7 +110,7 @@ def check_keys_apply(keys: Sequence[str], methods: Sequence[str]) -> None:
     """A method setting given for every run must be a setting of at least one method that runs: otherwise nothing
     reads it, and the study's notes would still list it as a shared setting."""
     names = {entry: option_names(method_of(entry)) for entry in methods}
-    unread = sorted(k for k in set(keys) - CLUSTER_KEYS - TRAIN_KEYS if not any(k in n for n in names.values()))
+    unread = sorted(k for k in set(keys) - RUN_KEYS if not any(k in n for n in names.values()))
     if unread:
         owners = sorted(m for m in method_names() if unread[0] in option_names(m))
         raise SweepError(

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -153,13 +154,24 @@ class _RunCommand(_RecordsSignals, WithSettings):
     help="Run what a run folder's config.json (or the folder, or a YAML with its keys) describes; flags given "
     "beside it override its settings.",
 )
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(path_type=Path),
+    metavar="RUN_DIR",
+    help="Continue the interrupted run in RUN_DIR (its results folder, or the staging folder a killed harness left) "
+    "from its latest checkpoint (a run made with --set checkpoint_every=STEPS), in that folder, with its own settings.",
+)
 @click.pass_context
-def run(ctx, method, profile, out, assignments, config_file, **settings):
+def run(ctx, method, profile, out, assignments, config_file, resume_dir, **settings):
     """Train one method on the emulated cluster and write a results folder."""
+    from harness.run import runner
     from harness.run.inputs import check_unchanged
     from harness.run.settings import parse_assignments, run_settings, settings_from_file
 
     signals = ctx.meta[_SignalsBeforeTheRun]
+    if resume_dir is not None:
+        _resume(ctx, signals, resume_dir)
     # Every other flag is a RunConfig.build setting by the same name: the cluster's shape, backend, link emulator,
     # faults and GPUs, and the training settings; --set adds the method's settings.
     given = {k: v for k, v in settings.items() if v is not None and _on_command_line(ctx, k)}
@@ -180,23 +192,42 @@ def run(ctx, method, profile, out, assignments, config_file, **settings):
         overridden |= {k for k in ("data", "tokenizer") if k in given}
         recorded = {k: v for k, v in from_file.inputs.items() if k not in overridden}
         check_unchanged(recorded, config.train, config_file, config.method_source)
-    summary = _validate_and_execute(signals, config, out)
+    summary = _validate_and_execute(signals, lambda: runner.validate(config, out))
     print_summary(summary, _same_setup(ctx, given, assignments))
     sys.exit(_exit_code(summary))
 
 
+def _resume(ctx: click.Context, signals: _SignalsBeforeTheRun, run_dir: Path) -> None:
+    """`harness run --resume RUN_DIR`: the run's own settings, nothing else."""
+    from harness.run import runner
+
+    others = sorted(
+        f"--{name.replace('_', '-')}" for name in ctx.params if name != "resume_dir" and _on_command_line(ctx, name)
+    )
+    if others:
+        raise click.UsageError(f"--resume continues the run with its own settings; leave out {', '.join(others)}")
+    summary = _validate_and_execute(signals, lambda: runner.validate_resume(run_dir))
+    print_summary(summary)
+    sys.exit(_exit_code(summary))
+
+
 def _validate_and_execute(
-    signals: _SignalsBeforeTheRun, config: RunConfig, out: Path | None, warnings: tuple[str, ...] | list[str] = ()
+    signals: _SignalsBeforeTheRun,
+    validate: Callable[[], Any],
+    warnings: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
     """Validate (nothing created before it passes), print `warnings` and the config's own (which need a valid
     config), re-exec without root, run with progress: the summary."""
     from harness.run import runner
 
     try:
-        checked = runner.validate(config, out)
+        checked = validate()
     except KeyboardInterrupt:  # from work validation does in a child process (harness/process.py)
         signals.stop_if_received()
         raise
+    config = checked.config
+    if checked.resume_step is not None:
+        print_text(f"resuming {checked.folder.final} from its checkpoint at step {checked.resume_step}")
     print_warnings([*warnings, *config.warnings()])
     signals.stop_if_received()
     reexec_if_unprivileged()
@@ -215,12 +246,13 @@ def _validate_and_execute(
 @click.pass_context
 def reproduce(ctx, run_dir, out):
     """Rerun a finished run from its folder and print its stored and new figures side by side."""
+    from harness.run import runner
     from harness.run.reproduce import figures, prepare
 
     signals = ctx.meta[_SignalsBeforeTheRun]
     reproduction = prepare(run_dir)
     config = reproduction.config
-    summary = _validate_and_execute(signals, config, out, reproduction.warnings)
+    summary = _validate_and_execute(signals, lambda: runner.validate(config, out), reproduction.warnings)
     if summary["status"] != "ok":
         print_summary(summary)
         sys.exit(_exit_code(summary))
@@ -422,6 +454,9 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             else "-",
         ),
     ]
+    if summary.get("resumed_at_steps"):
+        steps = ", ".join(str(step) for step in summary["resumed_at_steps"])
+        rows.append(("resumed", f"at step {steps} (throughput: the steps since the last resume)"))
     rows += _link_rows(summary)
     for fault in summary.get("faults") or []:
         restored = (

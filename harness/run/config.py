@@ -26,7 +26,13 @@ from harness.net.trace import replays_rate
 from harness.process import run_interruptibly
 from harness.run.faults import Fault, check_faults, parse_fault
 from harness.run.inputs import absolute_paths, input_record
-from harness.run.memory import available_bytes, check_fits, check_parameters_fit, parameters_at_least
+from harness.run.memory import (
+    available_bytes,
+    check_batch_fits,
+    check_fits,
+    check_parameters_fit,
+    parameters_at_least,
+)
 from trainers.config import OptimConfig, TrainConfig
 from trainers.registry import is_file_spec
 from trainers.tokenizer import BYTES
@@ -41,6 +47,10 @@ MIN_SYNCS = 3
 # shorter than MIN_CURVE_STEPS are smoke tests whose curve nobody reads.
 MIN_EVALUATIONS = 5
 MIN_CURVE_STEPS = 100
+
+
+def new_run_key() -> str:
+    return "hx" + secrets.token_hex(3)
 
 
 def default_collective_timeout_s() -> float:
@@ -112,11 +122,15 @@ class RunConfig:
     # Log the same scalars, the config and the summary to Weights & Biases while it trains (WANDB_PROJECT,
     # WANDB_MODE=offline: harness/run/weights_and_biases.py); the W&B files lie in <run folder>/wandb.
     wandb: bool = False
+    # Save every rank's training state every this many steps (0: never), in <run folder>/checkpoints, so that
+    # `harness run --resume` continues the run bit for bit (trainers/checkpoint.py); methods with communication
+    # in flight save at the first step after that where none is.
+    checkpoint_every: int = 0
     # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
     # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
     collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
     # Short, unique and safe in interface names (15 characters at most): it prefixes every kernel object a run makes.
-    run_key: str = field(default_factory=lambda: "hx" + secrets.token_hex(3))
+    run_key: str = field(default_factory=lambda: new_run_key())
     run_id: str = ""
     # Where a method not built in comes from (trainers/registry.py): /abs/file.py:Class, or an installed package's
     # module:Class; "" for a built-in. Filled in from the registry; a config read back registers its file again.
@@ -164,6 +178,7 @@ class RunConfig:
         )
         self._check_trace()
         self._check_scalar_writers()
+        self._check_checkpoints()
         if self.mode == "calibrate" and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         ranks_share_memory = capabilities(self.backend).ranks_share_host_cpus
@@ -180,6 +195,13 @@ class RunConfig:
                     f"--seq-len {self.train.seq_len} exceeds model {model_cfg.name!r}'s "
                     f"{model_cfg.max_seq_len}; use a shorter one"
                 )
+            tokens_per_step = self.clusters * self.train.batch_size * (self.train.seq_len or model_cfg.max_seq_len)
+            # Token counts are 64-bit integers (events, torch): a run past that is no run this harness can count.
+            if self.train.steps * tokens_per_step >= 2**63:
+                raise ValueError(
+                    f"--steps {self.train.steps:,} x {tokens_per_step:,} tokens a step is more tokens than a 64-bit "
+                    "count holds; use fewer --steps"
+                )
             shapes = parameter_shapes(model_cfg)
             self.method_config.check_shapes(shapes)
             if self.stages > 1:
@@ -193,7 +215,10 @@ class RunConfig:
             raise UserError(str(err)) from None
         # Ranks that share the host's cores share its memory too (netns); a container's GPU memory is not checked.
         if ranks_share_memory:
-            check_fits(shapes, self.clusters * self.stages, self.stages, available_bytes())
+            available = available_bytes()
+            check_fits(shapes, self.clusters * self.stages, self.stages, available)
+            seq_len = self.train.seq_len or model_cfg.max_seq_len
+            check_batch_fits(self.train.batch_size, seq_len, model_cfg.vocab_size, self.clusters, available)
         # Built here, where a setting the method refuses is named before the host is touched; kept for its readers.
         from trainers.registry import check_applicable
 
@@ -221,6 +246,34 @@ class RunConfig:
                 check() if self.train.tokenizer == BYTES else run_interruptibly(check)
             except ValueError as err:
                 raise UserError(str(err)) from None
+
+    def _check_checkpoints(self) -> None:
+        """checkpoint_every: a number of steps, for a training run of a method that can be resumed."""
+        every = self.checkpoint_every
+        if not (isinstance(every, int) and not isinstance(every, bool) and every >= 0):
+            raise UserError(f"checkpoint_every must be 0 (off) or a positive number of steps, got {every!r}")
+        if not every:
+            return
+        if self.mode != "train":
+            raise UserError("checkpoint_every applies to training runs; leave it out of calibration")
+        if every >= self.train.steps:
+            raise UserError(
+                f"checkpoint_every={every} would save nothing in a run of {self.train.steps} steps (none is saved "
+                f"after the last step); use fewer than {self.train.steps}"
+            )
+        from trainers.registry import method_class
+
+        if not method_class(self.method).resumable:
+            raise UserError(
+                f"method {self.method} cannot be checkpointed (it does not declare its whole state: "
+                "trainers/method.py, Method.resumable); leave out checkpoint_every"
+            )
+        try:
+            refusal = self.method_config.checkpoint_refusal()
+        except (ValueError, TypeError):
+            return  # the method's own check names the bad setting, later in validate
+        if refusal:
+            raise UserError(f"checkpoint_every: {refusal}")
 
     def _check_scalar_writers(self) -> None:
         """--tensorboard and --wandb need their optional packages (harness/run/tensorboard.py and wandb)."""
@@ -304,6 +357,7 @@ class RunConfig:
                 f"{ranks} ranks share {cores} CPU cores (each computes at ~{cores / ranks:.0%} of a core): compute, "
                 "not the link, may set the pace, so compare methods at the same cluster count or use fewer --clusters"
             )
+        warnings += self._unused_settings()
         for text, fault in zip(self.faults, self.parsed_faults(), strict=True):
             # A collective that waits through the whole outage gives up before the link is back.
             if fault.kind == "link-down" and fault.seconds >= self.collective_timeout_s:
@@ -313,6 +367,36 @@ class RunConfig:
                     "and the run fail; use a shorter outage or a longer HARNESS_TIMEOUT_S"
                 )
         return warnings
+
+    def _unused_settings(self) -> list[str]:
+        """Settings given (other than their defaults) that this run has no use for: said, not silently dropped."""
+        from trainers.documents import holds_records
+
+        unused = []
+        if self.gpus != RunConfig.gpus and self.backend != "docker":
+            unused.append(
+                f"--gpus {self.gpus} applies to the docker backend; the {self.backend} backend's ranks use this "
+                "host's devices as they find them (HARNESS_DEVICE=cpu keeps them on the CPU); leave it out"
+            )
+        defaults = TrainConfig()
+        if self.stages == 1 and (self.train.pipeline_schedule != defaults.pipeline_schedule or self.train.microbatches):
+            unused.append(
+                "--pipeline-schedule and --microbatches apply to pipeline stages, and this run has one stage; use "
+                "--stages 2 or more, or leave them out"
+            )
+        if self.train.data_field != defaults.data_field and not (
+            self.train.data and holds_records(Path(self.train.data))
+        ):
+            unused.append(
+                f"--data-field {self.train.data_field} names the text field of JSONL, parquet or saved-dataset "
+                "--data, and this run reads plain text; leave it out"
+            )
+        if self.link_emulator == "netem" and not self.profile.needs_netem:
+            unused.append(
+                f"--link-emulator netem: profile {self.profile.name!r} asks for no delay, jitter or loss, so no link "
+                "emulator runs; leave it out"
+            )
+        return unused
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -341,6 +425,7 @@ class RunConfig:
         faults: tuple[str, ...] = (),
         tensorboard: bool = False,
         wandb: bool = False,
+        checkpoint_every: int = 0,
         collective_timeout_s: float | None = None,
         **settings: Any,
     ) -> RunConfig:
@@ -371,6 +456,7 @@ class RunConfig:
             faults=tuple(faults),
             tensorboard=tensorboard,
             wandb=wandb,
+            checkpoint_every=checkpoint_every,
             **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
         )
 

@@ -11,6 +11,8 @@
     logs/rank<R>.log     rank R's output
     tensorboard/         the run's scalars as TensorBoard event files, with --tensorboard (harness/run/tensorboard.py)
     wandb/               the run's Weights & Biases files, with --wandb (harness/run/weights_and_biases.py)
+    checkpoints/         every rank's training state at the latest checkpoint, with --set checkpoint_every=N
+                         (trainers/checkpoint.py); `harness run --resume` continues from it
 
 The folder is built under a hidden staging name next to its final place and renamed into place at the end, so a
 results folder either holds a finished run (status "ok" or "failed") or does not exist.
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
-from harness.lock import RUN_KEY
+from harness.lock import RUN_KEY, staging_held
 
 DEFAULT_RUNS_DIR = Path("results") / "runs"
 # A folder holding one is a finished run: it is written last.
@@ -110,6 +112,10 @@ class RunPaths:
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
 
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
     def events(self, rank: int) -> Path:
         return self.events_dir / f"rank{rank}.jsonl"
 
@@ -137,9 +143,30 @@ def _limit(path: Path, name: str, default: int) -> int:
 
 
 class RunFolder:
-    def __init__(self, final: Path):
+    def __init__(self, final: Path, resuming: bool = False):
         self.final = final
         self.staging = final.parent / f".{final.name}{STAGING_SUFFIX}"
+        # An interrupted run continued in place (`harness run --resume`): `create` moves its folder back to staging.
+        self.resuming = resuming
+
+    @classmethod
+    def interrupted(cls, given: Path) -> RunFolder:
+        """The folder of a run to resume, named by its results folder or by the staging folder a killed harness
+        left; ResultsError if it is neither, or a live run is writing it."""
+        name = given.name
+        if name.startswith(".") and name.endswith(STAGING_SUFFIX):
+            given = given.parent / name[1 : -len(STAGING_SUFFIX)]
+        folder = cls(given, resuming=True)
+        if not folder.current.is_dir():
+            raise ResultsError(f"{given} is not a run folder; pass the folder of the run to resume")
+        if os.path.lexists(folder.staging) and (os.path.lexists(folder.final) or staging_held(folder.staging)):
+            raise ResultsError(folder._busy())
+        return folder
+
+    @property
+    def current(self) -> Path:
+        """Where the run's files are now: staging while it runs (or after its harness was killed), else final."""
+        return self.staging if os.path.lexists(self.staging) else self.final
 
     def check(self) -> None:
         """Refuse, before anything is created, a folder that exists, that another run is writing, whose names the
@@ -226,7 +253,12 @@ class RunFolder:
 
     def create(self) -> Path:
         """The staging folder (and missing parents), made atomically: of two runs that passed `check` for the same
-        folder at once, one gets it and the other a ResultsError, with nothing of its own left behind."""
+        folder at once, one gets it and the other a ResultsError, with nothing of its own left behind. Resuming, the
+        run's folder moves back to staging (unless a killed harness left it there)."""
+        if self.resuming:
+            if not os.path.lexists(self.staging):
+                os.replace(self.final, self.staging)
+            return self.staging
         missing = []
         parent = self.staging.parent
         while not os.path.lexists(parent) and parent.parent != parent:

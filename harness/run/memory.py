@@ -67,6 +67,20 @@ def parameters_at_least(model: str) -> int | None:
     return vocab * hidden + layers * (2 * hidden * hidden + 2 * hidden * width)
 
 
+def check_batch_fits(batch_size: int, seq_len: int, vocab_size: int, replicas: int, available: int | None) -> None:
+    """Raises UserError when one step's logits alone cannot fit: each replica's last stage holds the batch's logits
+    and their gradient in fp32 (2 x batch x seq_len x vocabulary x 4 bytes), a lower bound of a step's activations.
+    A batch that passes can still run short, one refused cannot run."""
+    needed = replicas * 2 * batch_size * seq_len * vocab_size * 4
+    if available is None or needed <= available:
+        return
+    raise UserError(
+        f"--batch-size {batch_size:,} x {seq_len:,} tokens needs at least {format_bytes(needed)} for one step's logits "
+        f"and their gradient on {replicas} replica(s) ({vocab_size:,}-token vocabulary, fp32), but this host has "
+        f"{format_bytes(available)} available; use a smaller --batch-size or --seq-len"
+    )
+
+
 def required_bytes(shapes: Iterable[tuple[int, ...]], ranks: int, stages: int) -> int:
     """The lower bound of what `ranks` ranks need together, each holding one of `stages` equal slices of the model."""
     return _required(sum(math.prod(shape) for shape in shapes), ranks, stages)

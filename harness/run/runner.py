@@ -32,6 +32,7 @@ from harness.run.faults import FaultInjector
 from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, UnreadableResults, read_events
 from harness.run.host_cpu import HostCpuMeter
 from harness.run.linktrace import TraceReplay
+from harness.run.resume import checked_resume, previous_record, rewind_events
 from harness.run.summary import environment, summarize
 from harness.run.tensorboard import LiveScalars, RunScalars
 from harness.units import format_rate
@@ -60,10 +61,27 @@ class CheckedRun:
     folder: RunFolder
     # What adds the profile's delay, jitter and loss ("netem", "userspace"), or None when it asks for none.
     link_emulator: str | None
+    # An interrupted run continued in its folder (harness/run/resume.py): the checkpoint's step it resumes from.
+    resume_step: int | None = None
 
 
 def validate(config: RunConfig, out: Path | None) -> CheckedRun:
     """Check everything the user chose, in one place, before the host is touched."""
+    link_emulator = _validate_config(config)
+    folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
+    folder.check()
+    return CheckedRun(config, folder, link_emulator)
+
+
+def validate_resume(run_dir: Path) -> CheckedRun:
+    """An interrupted run to continue in its folder from its latest checkpoint (harness/run/resume.py), checked as
+    a new run is, before the host is touched."""
+    config, folder, step = checked_resume(run_dir)
+    return CheckedRun(config, folder, _validate_config(config), resume_step=step)
+
+
+def _validate_config(config: RunConfig) -> str | None:
+    """The config's own checks and the host's; the link emulator they resolve."""
     config.validate()
     link_emulator = resolve_link_emulator(config)
     if not (math.isfinite(config.collective_timeout_s) and config.collective_timeout_s > 0):
@@ -73,9 +91,7 @@ def validate(config: RunConfig, out: Path | None) -> CheckedRun:
     reason = unavailable_reason(config.backend, config.clusters * config.stages, config.gpus)
     if reason:
         raise RunError(reason)
-    folder = RunFolder(out or DEFAULT_RUNS_DIR / config.run_id)
-    folder.check()
-    return CheckedRun(config, folder, link_emulator)
+    return link_emulator
 
 
 def resolve_link_emulator(config: RunConfig) -> str | None:
@@ -251,8 +267,11 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
     live: LiveScalars | None = None
     with _Signals() as signals:
         try:
-            config.save(paths.config)
-            paths.logs_dir.mkdir()
+            if checked.resume_step is None:
+                config.save(paths.config)
+                paths.logs_dir.mkdir()
+            else:
+                record.update(_rewound(paths, checked.resume_step))
             live = _live_scalars(config, run_dir)
             signals.check()
             cluster.up()
@@ -300,6 +319,16 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
             )
     summary["results_dir"] = str(final)
     return summary
+
+
+def _rewound(paths: RunPaths, step: int) -> dict[str, Any]:
+    """The folder of an interrupted run made ready to continue from checkpoint `step`: its events rewound, its
+    ranks' results and summary gone (this run writes them); what the summary keeps of the runs before."""
+    previous = previous_record(paths)
+    rewind_events(paths, step)
+    for path in (paths.summary, *(paths.rank_result(rank) for rank in paths.event_ranks())):
+        path.unlink(missing_ok=True)
+    return {"resumed_at_steps": [*previous["resumed_at_steps"], step], "faults_before_resume": previous["faults"]}
 
 
 def _spawn_ranks(cluster: ClusterBackend, topology: Topology, paths: RunPaths, procs: dict[int, Worker]) -> None:

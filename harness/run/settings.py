@@ -33,7 +33,10 @@ CLUSTER_KEYS = frozenset({"clusters", "stages", "backend", "link_emulator"})
 # The seed is a sweep axis of its own (--seeds) and a flag of `harness run`; of the optimizer, runs take the
 # learning rate.
 TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"optim", "seed"} | {"lr"}
-RUN_KEYS = CLUSTER_KEYS | TRAIN_KEYS
+# How a run is kept, not what it trains: a sweep's or compare's runs checkpoint with --set checkpoint_every=N, so an
+# interrupted one resumes inside itself (harness/analysis/experiments/sweep.py).
+KEEPING_KEYS = frozenset({"checkpoint_every"})
+RUN_KEYS = CLUSTER_KEYS | TRAIN_KEYS | KEEPING_KEYS
 SET_METAVAR = "[METHOD.]KEY=VALUE"
 
 
@@ -221,7 +224,9 @@ def settings_markdown(methods: Sequence[str]) -> str:
 RECORD_ONLY_KEYS = frozenset(
     {"run_id", "run_key", "collective_timeout_s", "method_options_given", "calibrate", "inputs", "method_source"}
 )
-FILE_RUN_KEYS = ("clusters", "stages", "backend", "gpus", "link_emulator", "faults", "tensorboard", "wandb")
+FILE_RUN_KEYS = (
+    "clusters", "stages", "backend", "gpus", "link_emulator", "faults", "tensorboard", "wandb", "checkpoint_every",
+)  # fmt: skip
 
 
 class FileSettings(NamedTuple):
@@ -248,9 +253,16 @@ def settings_from_file(path: Any) -> FileSettings:
     file = path / "config.json" if path.is_dir() else path
     try:
         data = yaml.safe_load(file.read_text())
-    except (OSError, yaml.YAMLError) as err:
+    except OSError as err:
         raise SettingError(
-            f"cannot read the config {file} ({err}); give a run folder's config.json or a YAML"
+            f"cannot read the config {file} ({err.strerror or err}); give a run folder's config.json or a YAML"
+        ) from None
+    except yaml.YAMLError as err:
+        # The parser's own message spans lines (a caret under the text): its position is what a user needs.
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SettingError(
+            f"the config {file} is not valid JSON or YAML{where}; give a run folder's config.json or a YAML"
         ) from None
     if not isinstance(data, dict) or "method" not in data or "profile" not in data:
         raise SettingError(f"{file} is no run config: it needs at least method: and profile: (as a config.json has)")

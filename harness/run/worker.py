@@ -27,7 +27,7 @@ from harness.run.config import RunConfig
 from harness.run.events import EventWriter
 from harness.run.folder import RunPaths, write_rank_result
 from trainers.comm import allreduce_payload_bytes
-from trainers.train import ParallelContext, train
+from trainers.train import Checkpointing, ParallelContext, train
 
 
 def _die_with_parent() -> None:
@@ -176,6 +176,7 @@ def main() -> int:
                     par,
                     log,
                     counter.tx_bytes if counter else None,
+                    Checkpointing(paths.checkpoints, config.checkpoint_every),
                 )
             )
         # The rank's largest resident set (Linux reports ru_maxrss in KiB): what emulating a site costs the host.

@@ -146,6 +146,13 @@ class LowRankQuantizeCompressor:
             self._warm_q[key] = q
         return torch.cat([encode_values(f, self.bits, self.bucket_size) for f in (p, q)])
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The warm-start Q per key: what the next power iterations start from."""
+        return dict(self._warm_q)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._warm_q = dict(state)
+
     def warm_start(self, key: str | None, shape: Shape) -> torch.Tensor | None:
         """The Q [n, r] that ``key``'s next power iteration starts from at the current rank (``resized_basis``), or
         None (cold start)."""

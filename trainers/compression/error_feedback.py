@@ -28,6 +28,12 @@ class ErrorFeedback:
         """Keep what ``transmitted`` (the decoded payload) missed of ``compensated`` as ``key``'s residual."""
         self.residuals[key] = (compensated - transmitted).detach()
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.residuals)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.residuals = dict(state)
+
 
 def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     """||x_hat - x|| / ||x|| (Frobenius), computed in float64; 0 when ``x`` is all zero."""

@@ -137,6 +137,13 @@ class PowerSGDReducer:
         self.wire = wire
         self._basis: dict[str, torch.Tensor] = {}  # Q per tensor key: the last round's, the same everywhere
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The shared basis Q per key, the last round's."""
+        return dict(self._basis)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._basis = dict(state)
+
     def _start(self, key: str, shape: Shape, rank: int) -> torch.Tensor:
         """Q0, orthonormal: the same on every replica (the shared last Q, or one seed's Gaussian)."""
         m, n = matrix_shape(shape)

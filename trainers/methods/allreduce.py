@@ -26,6 +26,7 @@ class AllReduceConfig(MethodConfig):
 
 class AllReduce(Method):
     config_class = AllReduceConfig
+    resumable = True  # the inner AdamW is all it keeps: the base class's state_dict
 
     def step(self, step: int) -> SyncReport | None:
         grads = [p.grad for p in self.params]

@@ -61,12 +61,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from trainers.comm import all_gather_bytes
 from trainers.compression.dct import ChunkedDCT
-from trainers.method import Exchange, Method, MethodConfig, MethodContext, SyncPlan, SyncReport, tensor_bytes
+from trainers.method import (
+    Exchange,
+    Method,
+    MethodConfig,
+    MethodContext,
+    SyncPlan,
+    SyncReport,
+    copy_into,
+    tensor_bytes,
+)
 from trainers.optim import clip_grad_norm
 
 # What one sent coefficient costs: its value (fp32) and its index within its block (int64), as the reference sends.
@@ -152,6 +162,7 @@ def _real(value: object) -> bool:
 
 class DeMo(Method):
     config_class = DeMoConfig
+    resumable = True
 
     def __init__(self, ctx: MethodContext, cfg: DeMoConfig):
         super().__init__(ctx, cfg)
@@ -242,6 +253,14 @@ class DeMo(Method):
             if decay != 1:
                 p.mul_(decay)
             p.add_(transform.decode(average).sign().to(p.dtype), alpha=-lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "momenta": self.momenta, "next_step": self.next_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        copy_into(state["momenta"], self.momenta)
+        self.next_step = state["next_step"]
 
     def optimizer_state_bytes(self) -> int:
         """The momenta (the unstepped AdamW holds nothing)."""

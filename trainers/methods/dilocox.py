@@ -41,6 +41,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -251,6 +252,14 @@ class DiLoCoXConfig(NesterovRoundConfig):
                 f"max_local_steps must be at least local_steps ({self.local_steps}), got {self.max_local_steps}"
             )
 
+    def checkpoint_refusal(self) -> str | None:
+        if self.overlap in ("delayed", "eager"):
+            return (
+                f"overlap={self.overlap} keeps a round's exchange in flight through the next round, so no step is free "
+                "of it to checkpoint; use --set dilocox.overlap=streaming or none with checkpoint_every"
+            )
+        return None
+
     @property
     def local_steps_cap(self) -> int:
         return 4 * self.local_steps if self.max_local_steps is None else self.max_local_steps
@@ -290,6 +299,9 @@ class DiLoCoX(Method):
 
     config_class = DiLoCoXConfig
     keeps_global_copy = True  # theta
+    # Under streaming and none nothing is in flight between rounds' exchanges; delayed and eager always hold one
+    # (DiLoCoXConfig.checkpoint_refusal).
+    resumable = True
 
     def __init__(self, ctx: MethodContext, cfg: DiLoCoXConfig):
         super().__init__(ctx, cfg)
@@ -410,6 +422,37 @@ class DiLoCoX(Method):
 
     def applied_steps(self, trained_steps: int) -> int:
         return self.synchronized_steps
+
+    def checkpointable(self) -> bool:
+        """Between a round's end and the step its next exchange starts (streaming: all but a round's last tau
+        steps), where everything is local: the exchange, the outer step and adaptation are done."""
+        return self.sending is None and self.overlap.idle()
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.checkpointable():
+            raise RuntimeError("DiLoCoX's state was asked for with an exchange in flight")
+        return {
+            **super().state_dict(),
+            "outer_optimizer": self.outer.state_dict(),
+            "exchange": self.exchange.state_dict(),
+            "rank": self.rank,
+            "local_steps": self.local_steps,
+            "rank_estimates": list(self.rank_estimates),
+            "round": self.round,
+            "steps_in_round": self.steps_in_round,
+            "unsent_steps": self.unsent_steps,
+            "synchronized_steps": self.synchronized_steps,
+            "last_average": self.last_average,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.outer.load_state_dict(state["outer_optimizer"])
+        self.exchange.load_state_dict(state.get("exchange", {}))
+        self.rank_estimates.extend(state["rank_estimates"])  # a full window: maxlen drops the initial ones
+        for name in ("rank", "local_steps", "round", "steps_in_round", "unsent_steps", "synchronized_steps"):
+            setattr(self, name, state[name])
+        self.last_average = state["last_average"]
 
     def optimizer_state_bytes(self) -> int:
         """Inner AdamW moments, theta, the outer momentum buffer, the error-feedback residuals and, under eager,

@@ -21,6 +21,7 @@ class LocalConfig(MethodConfig):
 
 class Local(Method):
     config_class = LocalConfig
+    resumable = True  # the inner AdamW is all it keeps: the base class's state_dict
 
     def step(self, step: int) -> SyncReport | None:
         self.inner.step()

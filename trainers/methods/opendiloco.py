@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -64,10 +65,18 @@ class OpenDiLoCoConfig(NesterovRoundConfig):
 
 class OpenDiLoCo(BlockingRounds):
     config_class = OpenDiLoCoConfig
+    resumable = True
 
     def __init__(self, ctx: MethodContext, cfg: OpenDiLoCoConfig):
         super().__init__(ctx, cfg)
         self.outer = OuterOptimizer(self.global_params, cfg.outer_lr, cfg.outer_momentum)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "outer_optimizer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.outer.load_state_dict(state["outer_optimizer"])
 
     @torch.no_grad()
     def outer_step(self) -> SyncReport:

@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -163,6 +164,7 @@ class SparseLoCoConfig(RoundConfig):
 
 class SparseLoCo(BlockingRounds):
     config_class = SparseLoCoConfig
+    resumable = True
 
     def __init__(self, ctx: MethodContext, cfg: SparseLoCoConfig):
         super().__init__(ctx, cfg)
@@ -208,6 +210,20 @@ class SparseLoCo(BlockingRounds):
             "residual_norm": residual_norm,
         }
         return payloads, fields
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "outer_optimizer": self.outer.state_dict(),
+            "error": self.error,
+            "round": self.round,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.outer.load_state_dict(state["outer_optimizer"])
+        copy_into(state["error"], self.error)
+        self.round = state["round"]
 
     def optimizer_state_bytes(self) -> int:
         """Inner AdamW moments, theta and the error buffers (the outer SGD keeps no momentum)."""

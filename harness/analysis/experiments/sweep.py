@@ -9,11 +9,12 @@ Layout of a sweep folder OUT:
     OUT/profiles/*.yaml      profiles the sweep derived itself (regime matching, harness/analysis/experiments/regime.py)
     OUT/.sweep.lock          while a sweep runs: its flock (and pid), so a second sweep into OUT refuses at once
 
-Resuming goes by name: a combination whose folder holds a summary with status "ok" is skipped unless forced; any
-other combination is run again from scratch, after its failed folder and any ``.<name>.partial`` staging folder left
-by an interrupted run are removed, because the runner refuses to write over either. A finished run whose options,
-defaults included, are not what this invocation would run (a default changed since) makes the sweep refuse to
-resume, naming the option: its table would pool two variants under one name.
+Resuming goes by name: a combination whose folder holds a summary with status "ok" is skipped unless forced; one
+whose interrupted run left a checkpoint (`--set checkpoint_every=N`) continues from it, in its folder
+(harness/run/resume.py); any other is run again from scratch, after its failed folder and any ``.<name>.partial``
+staging folder left by an interrupted run are removed, because the runner refuses to write over either. A finished
+run whose options, defaults included, are not what this invocation would run (a default changed since) makes the
+sweep refuse to resume, naming the option: its table would pool two variants under one name.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from harness.analysis.plan import Combination, SweepError, SweepSpec, profile_na
 from harness.lock import owner_alive, staging_held
 from harness.run import runner
 from harness.run.folder import RunFolder, RunPaths, UnreadableResults, read_summary, run_key_of
+from trainers.checkpoint import latest_complete
 
 SWEEP_LOCK = ".sweep.lock"
 
@@ -176,17 +178,31 @@ def _run_one(spec: SweepSpec, combo: Combination, out: Path, observer: SweepObse
     if staging_held(staging) or (key and owner_alive(key)):
         owner = f"a live run ({key})" if key else "a live run"
         return IndexRow(combo, "failed", None, f"{staging} is being written by {owner}; resume when it ends")
-    for stale in (staging, final):
-        if stale.exists():
-            shutil.rmtree(stale)
+    resume = _checkpointed(final)
+    if resume is None:
+        for stale in (staging, final):
+            if stale.exists():
+                shutil.rmtree(stale)
     try:
-        summary = runner.run(spec.config(combo), final, on_progress=observer.progress)
+        if resume is None:
+            summary = runner.run(spec.config(combo), final, on_progress=observer.progress)
+        else:
+            summary = runner.execute(runner.validate_resume(final), on_progress=observer.progress)
     except runner.RunError as err:
         return IndexRow(combo, "failed", None, str(err))
     # One broken run must not end the sweep; the runner has finalized its folder before raising.
     except Exception as err:
         return IndexRow(combo, "failed", relative if final.exists() else None, f"{type(err).__name__}: {err}")
     return IndexRow(combo, summary["status"], relative, summary.get("failure"), summary.get("tokens_per_s"))
+
+
+def _checkpointed(final: Path) -> int | None:
+    """The checkpoint an interrupted run of this combination can resume from (--set checkpoint_every=N), if one
+    is left in its folder or in the staging folder a killed harness left; the sweep continues the run from it."""
+    folder = RunFolder(final)
+    if not folder.current.is_dir() or finished_ok(folder.current) is not None:
+        return None
+    return latest_complete(RunPaths(folder.current).checkpoints)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from harness.run.config import RunConfig
 
 
@@ -25,3 +27,19 @@ def test_a_run_evaluated_too_rarely_to_read_a_time_to_target_is_warned_about():
     assert not [w for w in RunConfig.build("allreduce", "1gbps", steps=100, eval_every=25).warnings() if "eval" in w]
     # A smoke test of a few steps is not told how to read a curve it does not have.
     assert not [w for w in RunConfig.build("allreduce", "1gbps", steps=20).warnings() if "eval" in w]
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"gpus": "0"}, "--gpus 0 applies to the docker backend"),
+        ({"pipeline_schedule": "gpipe"}, "--pipeline-schedule and --microbatches apply to pipeline stages"),
+        ({"microbatches": 4}, "--pipeline-schedule and --microbatches apply to pipeline stages"),
+        ({"data_field": "body"}, "--data-field body names the text field of JSONL"),
+        ({"link_emulator": "netem"}, "asks for no delay, jitter or loss, so no link emulator runs"),
+    ],
+)
+def test_a_setting_this_run_has_no_use_for_is_warned_about(settings, words):
+    config = RunConfig.build("local", "unshaped", steps=3, **settings)
+    assert any(words in warning for warning in config.warnings()), config.warnings()
+    assert not any(words in warning for warning in RunConfig.build("local", "unshaped", steps=3).warnings())

@@ -87,6 +87,43 @@ def test_resume_skips_finished_runs_and_redoes_interrupted_and_failed_ones(tmp_p
     assert len(calls) == 4
 
 
+def test_an_interrupted_run_that_left_a_checkpoint_is_continued_from_it_not_redone(tmp_path, fake_runner, monkeypatch):
+    calls, fail = fake_runner
+    spec = SweepSpec(("allreduce", "local"), ("1gbps",), (0,), settings={"steps": 20, "checkpoint_every": 5})
+    out = tmp_path / "sweep"
+    fail["local-1gbps-s0"] = "rank 1 was killed"
+    run_sweep(spec, out)
+    # What the failed run left: its folder with a checkpoint every rank completed (as trainers/checkpoint.py writes).
+    failed = out / "runs" / "local-1gbps-s0"
+    write_run(out / "runs", "local-1gbps-s0", "local", failure="rank 1 was killed")
+    complete = failed / "checkpoints" / "step-000010" / "complete"
+    complete.parent.mkdir(parents=True)
+    complete.touch()
+    resumed = []
+
+    def validate_resume(run_dir):
+        resumed.append(run_dir)
+        return "checked"
+
+    def execute(checked, on_progress=None):
+        assert checked == "checked"
+        return {**json.loads((failed / "summary.json").read_text()), "status": "ok", "failure": None}
+
+    monkeypatch.setattr(runner, "validate_resume", validate_resume)
+    monkeypatch.setattr(runner, "execute", execute)
+    calls.clear()
+    rows = run_sweep(spec, out)
+    # Continued in its folder, which is still there; the finished run is skipped; nothing started from scratch.
+    assert resumed == [failed] and calls == [] and complete.exists()
+    assert [r.status for r in rows] == ["ok", "ok"]
+
+
+def test_checkpoint_every_is_a_setting_sweeps_take():
+    spec = SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 20, "checkpoint_every": 5})
+    (combo,) = spec.combinations()
+    assert spec.config(combo).checkpoint_every == 5
+
+
 def test_resume_refuses_a_finished_run_whose_options_differ_from_what_it_would_run(tmp_path, fake_runner):
     """As after a default changed: the finished run's recorded options, defaults included, are not this sweep's."""
     calls, _ = fake_runner
