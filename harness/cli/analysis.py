@@ -11,6 +11,7 @@ import click
 
 from harness.cli.common import SweepProgress, errors, print_text, reexec_if_unprivileged
 from harness.cli.options import (
+    LossValue,
     WithSettings,
     clusters_option,
     method_option,
@@ -27,7 +28,7 @@ results_argument = click.argument("results", nargs=-1, required=True, type=click
 @results_argument
 @click.option(
     "--target-loss",
-    type=float,
+    type=LossValue(),
     help="Validation loss for the tokens/time-to-target columns [default: per group, halfway between "
     "allreduce's highest final validation loss and the lowest loss local reached (x 1.05 on allreduce's mean "
     "where local did not run); a group without allreduce needs this option, else those columns are not "
@@ -167,6 +168,8 @@ def project(
     from harness.run.config import resolve_method
     from harness.run.settings import parse_assignments, run_settings
 
+    if csv_path and not validate_results:
+        raise click.UsageError("--csv writes --validate's table; without --validate, write the prediction with --json")
     if validate_results:
         if not compute_from:
             raise click.UsageError("--validate needs --compute-from: runs of the same settings on an unshaped link")

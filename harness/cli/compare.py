@@ -10,7 +10,7 @@ import click
 from rich.text import Text
 
 from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
-from harness.cli.options import WithSettings, cluster_options, set_option, train_options
+from harness.cli.options import LossValue, WithSettings, cluster_options, set_option, train_options
 from trainers.registry import method_names
 
 
@@ -67,7 +67,7 @@ def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
 )
 @click.option(
     "--target-loss",
-    type=float,
+    type=LossValue(),
     help="Validation loss to reach [default: halfway between allreduce's highest final validation loss over its "
     "seeds and the lowest local reached, so no local run reaches it; allreduce's mean final loss x 1.05 with "
     "--no-control]; the only way to compare without allreduce.",

@@ -34,6 +34,7 @@ def doctor() -> None:
     "A folder of results folders whose staging folders (.<name>.partial) to check, one level deep; "
     "repeatable (default: results/runs).",
     file_okay=False,
+    exists=True,
 )
 def cleanup(run_key: str | None, results_dirs: tuple[Path, ...]) -> None:
     """Remove what a harness killed with SIGKILL left: namespaces, containers, networks, results staging folders.

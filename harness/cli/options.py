@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,21 @@ def link_emulator_option(default: str | None = RunConfig.link_emulator) -> Decor
     )
 
 
+class LossValue(click.ParamType):
+    """A validation loss to reach: a cross-entropy, so a finite number above 0."""
+
+    name = "LOSS"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            loss = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number; give a validation loss such as 2.1", param, ctx)
+        if not (math.isfinite(loss) and loss > 0):
+            self.fail(f"{value} is not a loss a run can reach; give a finite number above 0, such as 2.1", param, ctx)
+        return loss
+
+
 def paths_option(flag: str, dest: str, help: str, **path: bool) -> Decorator:
     """A repeatable option naming folders or files (`path`: click.Path's exists, file_okay, ...)."""
     return click.option(flag, dest, multiple=True, type=click.Path(path_type=Path, **path), help=help)
@@ -119,7 +135,7 @@ def train_options(command=None, *, seed: bool = True):
         click.option(
             "--batch-size", type=int, help=f"Sequences per replica per step [default: {TrainConfig.batch_size}]."
         ),
-        click.option("--seq-len", type=int, help="Tokens per sequence [default: the model's context]."),
+        click.option("--seq-len", type=int, help="Tokens per sequence; 0 is the model's context [default: 0]."),
         *(
             [click.option("--seed", type=int, help=f"Seed for weights and data order [default: {TrainConfig.seed}].")]
             if seed

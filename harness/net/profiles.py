@@ -42,7 +42,8 @@ def load_profile(name_or_path: str) -> Profile:
             raise _folder_error(name_or_path)
         if not _is_file(path):
             raise ProfileError(
-                f"profile file {name_or_path} does not exist; pass a YAML file or one of: {', '.join(known_profiles())}"
+                f"profile file {name_or_path} does not exist; pass a YAML file or a profile name (harness profiles "
+                "list names them)"
             )
     else:
         path = PROFILE_DIR / f"{name_or_path}.yaml"

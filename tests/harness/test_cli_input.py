@@ -221,6 +221,31 @@ CASES = [
         setup=no_privileges,
     ),
     Case("show-unknown-profile", ["profiles", "show", "nope"], ["unknown profile 'nope'", *SHIPPED]),
+    # The second hostile round (scripts/hostile-inputs.py): each ran, or ended in a traceback, before.
+    Case(
+        "steps-past-64-bits",
+        ["run", "--steps", str(10**30)],
+        ["more tokens than a 64-bit count holds", "use fewer --steps"],
+    ),
+    Case(
+        "batch-too-large-for-memory",
+        ["run", "--batch-size", "1000000000"],
+        ["for one step's logits and their gradient", "use a smaller --batch-size or --seq-len"],
+    ),
+    Case(
+        "config-not-json",
+        ["run", "--config", "{tmp}/cut.json"],
+        ["is not valid JSON or YAML at line 1", "give a run folder's config.json"],
+        files={"cut.json": '{"method": "allreduce", "profile": "1gbps", "train": {'},
+    ),
+    Case("report-negative-target", ["report", "{tmp}", "--target-loss", "-1"], ["-1 is not a loss a run can reach"]),
+    Case("compare-nan-target", ["compare", "--target-loss", "nan", "--out", "c"], ["nan is not a loss a run can"]),
+    Case(
+        "project-csv-without-validate",
+        ["project", "--compute-s", "0.1", "--csv", "{tmp}/x.csv"],
+        ["--csv writes --validate's table", "--json"],
+    ),
+    Case("cleanup-missing-results", ["cleanup", "--results", "{tmp}/nosuch"], ["nosuch' does not exist"]),
 ]
 
 
@@ -552,3 +577,21 @@ def test_in_a_log_a_run_prints_one_plain_line_per_evaluation(harness_cli, monkey
         "step 13/30  loss 4.300  val 4.200 (at step 10)  2,560 tok/s  link 500 Mbit/s (25% of 1 Gbit/s)",
     ]
     assert "\r" not in result.output and "━" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["report", "{runs}", "--csv", "/proc/harness-nosuch/x.csv"], ["cannot write into /proc/harness-nosuch"]),
+        (["report", "{runs}", "--tables", "{tmp}/afile"], ["cannot write into", "afile", "pass a writable folder"]),
+        (["plot", "{runs}", "--out", "{tmp}/afile"], ["cannot write into", "afile", "pass a writable folder"]),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_in_one_sentence(harness_cli, tmp_path, args, expect):
+    from tests.harness.fakeruns import write_run
+
+    write_run(tmp_path / "runs", "r")
+    (tmp_path / "afile").write_text("a file where a folder would go\n")
+    argv = [a.replace("{runs}", str(tmp_path / "runs")).replace("{tmp}", str(tmp_path)) for a in args]
+    result, before, after = harness_cli(argv)
+    assert_refused(result, before, after, expect)

@@ -49,6 +49,7 @@ from harness.analysis.report.figure_style import (
     save,
     variant_colors,
 )
+from harness.analysis.report.files import output_folder
 from harness.analysis.report.tables import GROUP_KEYS, RunTables, eval_curve, in_group
 from harness.analysis.report.trace_figure import trace_figures
 from harness.units import format_rate
@@ -352,7 +353,7 @@ def monitor_figure(group: pd.DataFrame, rounds: pd.DataFrame, colors: dict[str, 
 
 def plot_all(tables: RunTables, out: Path) -> list[Path]:
     """Every figure for every comparable group of successful runs; returns the files written."""
-    out.mkdir(parents=True, exist_ok=True)
+    output_folder(out)
     compared = comparison(tables)
     ok = tables.runs[tables.runs["status"] == "ok"]
     evals = eval_curve(tables.events)

@@ -18,9 +18,22 @@ def parquet_engine() -> str | None:
     return None
 
 
+def output_folder(folder: Path) -> Path:
+    """`folder`, made with its parents if missing; ReportError naming it where it cannot be (a file in the way, no
+    permission, a read-only file system)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ReportError(f"cannot write into {folder} ({err.strerror or err}); pass a writable folder") from None
+    return folder
+
+
 def write_csv(table: pd.DataFrame, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table.to_csv(path, index=False)
+    output_folder(path.parent)
+    try:
+        table.to_csv(path, index=False)
+    except OSError as err:
+        raise ReportError(f"cannot write {path} ({err.strerror or err}); pass a writable path") from None
     return path
 
 
@@ -32,7 +45,7 @@ def write_parquet(table: pd.DataFrame, path: Path) -> Path:
             f"cannot write {path}: parquet needs pyarrow or fastparquet and neither is installed "
             "(pip install pyarrow), or use --csv"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    output_folder(path.parent)
     table.to_parquet(path, engine=engine, index=False)
     return path
 
