@@ -296,6 +296,7 @@ def check(baseline, results, repeats, out, reference_results, stored_references)
     if reference_results is not None and results is None:
         raise click.UsageError("--reference-results goes with --results (the runs they are paired with)")
     paired_code = None if stored_references else spec.reference_code
+    given_results = results is not None
     if results is None:
         reexec_if_unprivileged()
         results = out or Path(tempfile.mkdtemp(prefix="harness-check-"))
@@ -314,6 +315,12 @@ def check(baseline, results, repeats, out, reference_results, stored_references)
             "step_overhead and step_time_residual are held to the stored references, measured on another machine"
         )
     outcomes = gate.check(spec, [results], reference_dir)
+    if given_results and all(o.missing and o.missing.startswith("no successful") for o in outcomes):
+        # Nothing to hold to the bands: a wrong folder, not a regression.
+        raise click.UsageError(
+            f"{results} holds no successful run of a method and profile {baseline} checks; pass the folder of the "
+            "runs its run: settings make, or leave out --results and `harness check` makes them"
+        )
     click.echo(gate.results_table(outcomes))
     on_machine = gate.on_machine_text(outcomes, spec.reference_code)
     if on_machine:

@@ -195,13 +195,7 @@ class RunConfig:
                     f"--seq-len {self.train.seq_len} exceeds model {model_cfg.name!r}'s "
                     f"{model_cfg.max_seq_len}; use a shorter one"
                 )
-            tokens_per_step = self.clusters * self.train.batch_size * (self.train.seq_len or model_cfg.max_seq_len)
-            # Token counts are 64-bit integers (events, torch): a run past that is no run this harness can count.
-            if self.train.steps * tokens_per_step >= 2**63:
-                raise ValueError(
-                    f"--steps {self.train.steps:,} x {tokens_per_step:,} tokens a step is more tokens than a 64-bit "
-                    "count holds; use fewer --steps"
-                )
+            self._check_token_count(self.train.seq_len or model_cfg.max_seq_len)
             shapes = parameter_shapes(model_cfg)
             self.method_config.check_shapes(shapes)
             if self.stages > 1:
@@ -215,10 +209,7 @@ class RunConfig:
             raise UserError(str(err)) from None
         # Ranks that share the host's cores share its memory too (netns); a container's GPU memory is not checked.
         if ranks_share_memory:
-            available = available_bytes()
-            check_fits(shapes, self.clusters * self.stages, self.stages, available)
-            seq_len = self.train.seq_len or model_cfg.max_seq_len
-            check_batch_fits(self.train.batch_size, seq_len, model_cfg.vocab_size, self.clusters, available)
+            self._check_memory(shapes, model_cfg)
         # Built here, where a setting the method refuses is named before the host is touched; kept for its readers.
         from trainers.registry import check_applicable
 
@@ -246,6 +237,22 @@ class RunConfig:
                 check() if self.train.tokenizer == BYTES else run_interruptibly(check)
             except ValueError as err:
                 raise UserError(str(err)) from None
+
+    def _check_token_count(self, seq_len: int) -> None:
+        """Token counts are 64-bit integers (events, torch): a run past that is no run this harness can count."""
+        tokens_per_step = self.clusters * self.train.batch_size * seq_len
+        if self.train.steps * tokens_per_step >= 2**63:
+            raise ValueError(
+                f"--steps {self.train.steps:,} x {tokens_per_step:,} tokens a step is more tokens than a 64-bit count "
+                "holds; use fewer --steps"
+            )
+
+    def _check_memory(self, shapes: list, model_cfg: Any) -> None:
+        """The ranks' model state and one step's logits against what this host has (harness/run/memory.py)."""
+        available = available_bytes()
+        check_fits(shapes, self.clusters * self.stages, self.stages, available)
+        seq_len = self.train.seq_len or model_cfg.max_seq_len
+        check_batch_fits(self.train.batch_size, seq_len, model_cfg.vocab_size, self.clusters, available)
 
     def _check_checkpoints(self) -> None:
         """checkpoint_every: a number of steps, for a training run of a method that can be resumed."""

@@ -73,7 +73,7 @@ CASES = [
     Case(
         "missing-profile-file",
         ["run", "--profile", "{tmp}/missing.yaml"],
-        ["missing.yaml does not exist", "1gbps"],
+        ["missing.yaml does not exist", "pass a YAML file or a profile name (harness profiles list names them)"],
     ),
     Case(
         "unitless-rate",
@@ -595,3 +595,15 @@ def test_an_output_that_cannot_be_written_is_refused_in_one_sentence(harness_cli
     argv = [a.replace("{runs}", str(tmp_path / "runs")).replace("{tmp}", str(tmp_path)) for a in args]
     result, before, after = harness_cli(argv)
     assert_refused(result, before, after, expect)
+
+
+def test_check_on_runs_the_baseline_does_not_check_is_refused_not_failed(harness_cli, tmp_path):
+    """A folder with no run of any method and profile the baseline checks is a wrong folder, not a regression: it
+    was a table of MISSING bands and exit 1, read by CI as a failed gate."""
+    from tests.harness.fakeruns import write_run
+
+    write_run(tmp_path / "runs", "r", "local", profile="1gbps")
+    baseline = Path(__file__).resolve().parents[2] / "results" / "reference" / "baseline.yaml"
+    argv = ["check", "--baseline", str(baseline), "--results", str(tmp_path / "runs"), "--stored-references"]
+    result, before, after = harness_cli(argv)
+    assert_refused(result, before, after, ["holds no successful run of a method and profile", "leave out --results"])

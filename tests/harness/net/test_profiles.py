@@ -251,11 +251,12 @@ def test_unknown_profile_lists_the_known_ones(name):
     assert "path" in message
 
 
-def test_missing_profile_file_lists_the_known_ones(tmp_path):
+def test_missing_profile_file_names_where_the_known_ones_are_listed(tmp_path):
     with pytest.raises(ProfileError) as err:
         load_profile(str(tmp_path / "missing.yaml"))
     assert "does not exist" in str(err.value)
-    assert all(known in str(err.value) for known in SHIPPED)
+    # One sentence: the command that lists the known profiles, not the list (23 names made it 600 characters).
+    assert "a profile name (harness profiles list names them)" in str(err.value) and "1gbps" not in str(err.value)
 
 
 @pytest.mark.parametrize(
