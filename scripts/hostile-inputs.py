@@ -343,7 +343,7 @@ CASES: list[Case] = [
     refuse("cleanup --run-key nosuch"),
     refuse("cleanup --run-key hx12"),
     refuse(f"cleanup --run-key '{MARKUP}'", literal=MARKUP),
-    refuse("cleanup --results {fx}/nosuch"),
+    notice("cleanup --results {fx}/nosuch"),
     refuse("cleanup --results {fx}/a-file.txt"),
     work("cleanup --run-key hx000000 --results {cwd}"),
     # regime: targets that are not published regimes, shapes that cannot be.

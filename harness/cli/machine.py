@@ -3,13 +3,14 @@ carries a delay line (bench-cluster, bench-delayline)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 from rich.table import Table
 from rich.text import Text
 
-from harness.cli.common import console, csv_list, print_text, reexec_if_unprivileged
+from harness.cli.common import console, csv_list, print_text, print_warnings, reexec_if_unprivileged
 from harness.cli.options import clusters_option, paths_option, profile_option, stages_option
 from harness.units import format_bytes, format_rate
 
@@ -34,7 +35,6 @@ def doctor() -> None:
     "A folder of results folders whose staging folders (.<name>.partial) to check, one level deep; "
     "repeatable (default: results/runs).",
     file_okay=False,
-    exists=True,
 )
 def cleanup(run_key: str | None, results_dirs: tuple[Path, ...]) -> None:
     """Remove what a harness killed with SIGKILL left: namespaces, containers, networks, results staging folders.
@@ -43,6 +43,12 @@ def cleanup(run_key: str | None, results_dirs: tuple[Path, ...]) -> None:
     """
     from harness.cleanup import cleanup as cleanup_runs
 
+    # Not refused: the rest of the cleanup (namespaces, containers, lock files) does not depend on it.
+    unseen = [str(folder) for folder in results_dirs if not os.path.isdir(folder)]
+    if unseen:
+        print_warnings(
+            [f"--results {', '.join(unseen)}: no folder this user can read, so no staging folder there was checked"]
+        )
     report = cleanup_runs(run_key, list(results_dirs) or None)
     # What was removed first: a line saying what was not, printed before it, read as if nothing had been.
     print_text(report.describe())

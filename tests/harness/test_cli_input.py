@@ -245,7 +245,6 @@ CASES = [
         ["project", "--compute-s", "0.1", "--csv", "{tmp}/x.csv"],
         ["--csv writes --validate's table", "--json"],
     ),
-    Case("cleanup-missing-results", ["cleanup", "--results", "{tmp}/nosuch"], ["nosuch' does not exist"]),
 ]
 
 
@@ -607,3 +606,9 @@ def test_check_on_runs_the_baseline_does_not_check_is_refused_not_failed(harness
     argv = ["check", "--baseline", str(baseline), "--results", str(tmp_path / "runs"), "--stored-references"]
     result, before, after = harness_cli(argv)
     assert_refused(result, before, after, ["holds no successful run of a method and profile", "leave out --results"])
+
+
+def test_cleanup_of_a_results_folder_that_is_not_there_says_so(harness_cli, tmp_path):
+    result, _, _ = harness_cli(["cleanup", "--results", str(tmp_path / "nosuch")])
+    assert result.exit_code == 0, result.output
+    assert "warning: --results" in result.output and "no staging folder there was checked" in result.output
