@@ -43,7 +43,7 @@ from typing import Any
 
 from harness.analysis.experiments.regime import check_request, measure_compute, regime_profile
 from harness.analysis.experiments.sweep import IndexRow, SilentObserver, SweepObserver, run_sweep
-from harness.analysis.plan import TRACES_DIR, TRAJECTORY_PROFILE, Combination, CompareSpec
+from harness.analysis.plan import TRACES_DIR, TRAJECTORY_PROFILE, Combination, CompareSpec, SweepSpec
 from harness.analysis.projection.link_model import LinkModel, ProjectionError, default_window_bytes, schedule
 from harness.analysis.projection.regime import get_target
 from harness.analysis.report.time_to_target import Comparison, analyse
@@ -136,9 +136,9 @@ def run_compare(
     """Run what is not finished yet and compare it; report/compare.py's write_outputs writes the comparison's
     files.
 
-    With --regime (spec.regime), its link is derived first (with_regime_link). Seed by seed, as a sweep goes: one
-    seed's full runs (round-robin over profiles and methods), then its traces, so a trace runs close in time to the
-    full runs it is checked against on a machine whose speed drifts.
+    With --regime (spec.regime), its link is derived first (with_regime_link). Seed by seed, and within a seed
+    method by method: a method's full runs (round-robin over profiles) and its traces side by side (_paired), so a
+    trace sees the same host as the full run it is checked against on a machine whose speed drifts.
     """
     validate_compare(spec)
     if spec.regime is not None and not spec.predicted_run_s:
@@ -149,13 +149,31 @@ def run_compare(
     traces = spec.trace_sweep()
     total = len(spec.full_sweep().combinations()) + (len(traces.combinations()) if traces is not None else 0)
     counted = _Counted(observer or SilentObserver(), total)
-    for seed in spec.seeds:
+    for position, seed in enumerate(spec.seeds):
         one = dataclasses.replace(spec, seeds=(seed,))
-        run_sweep(one.full_sweep(), out, force=force, observer=counted, command=command)
-        traces = one.trace_sweep()
-        if traces is not None:
-            run_sweep(traces, out / TRACES_DIR, force=force, observer=counted, command=command)
+        for sweep, folder in _paired(one, out, trace_first=position % 2 == 1):
+            run_sweep(sweep, folder, force=force, observer=counted, command=command)
     return analyse(spec, out)
+
+
+def _paired(one_seed: CompareSpec, out: Path, trace_first: bool) -> list[tuple[SweepSpec, Path]]:
+    """One seed's sweeps, method by method: its full runs and its traces next to each other. The order within a pair
+    alternates from seed to seed (trace_first), so a host that slows or speeds up steadily biases composed / measured
+    one way on half the seeds and the other way on the rest, instead of the same way on all of them (a trace's
+    tokens/s over its full run's ranged 0.84-1.36 when every method's full runs came before the traces). Each part
+    keeps its sweep's settings (sweep.json) and only skips the other methods' runs."""
+    parts = [(one_seed.full_sweep(), out)]
+    traces = one_seed.trace_sweep()
+    if traces is not None:
+        parts.append((traces, out / TRACES_DIR))
+    if trace_first:
+        parts.reverse()
+    return [(_only(sweep, method), folder) for method in one_seed.methods for sweep, folder in parts]
+
+
+def _only(sweep: SweepSpec, method: str) -> SweepSpec:
+    others = {(m, p) for m in sweep.methods if m != method for p in sweep.profiles}
+    return dataclasses.replace(sweep, skip=sweep.skip | others)
 
 
 @dataclasses.dataclass

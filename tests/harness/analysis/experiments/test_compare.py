@@ -93,9 +93,9 @@ def test_a_compare_runs_both_sweeps_resumes_and_leaves_a_folder_report_reads(tmp
             "--out", str(tmp_path)]  # fmt: skip
     shown = CliRunner().invoke(cli.main, args)
     assert shown.exit_code == 0, shown.output
-    assert calls == [f"{tmp_path.name}/allreduce-1gbps-s0", f"{tmp_path.name}/opendiloco-1gbps-s0",
-                     f"{tmp_path.name}/allreduce-unshaped-s0", f"{tmp_path.name}/opendiloco-unshaped-s0",
-                     "traces/allreduce-100mbps-s0", "traces/opendiloco-100mbps-s0"]  # fmt: skip
+    assert calls == [f"{tmp_path.name}/allreduce-1gbps-s0", f"{tmp_path.name}/allreduce-unshaped-s0",
+                     "traces/allreduce-100mbps-s0", f"{tmp_path.name}/opendiloco-1gbps-s0",
+                     f"{tmp_path.name}/opendiloco-unshaped-s0", "traces/opendiloco-100mbps-s0"]  # fmt: skip
     assert "| composed | allreduce" in shown.output and "opendiloco: local_steps=10" in shown.output
     assert {p.name for p in tmp_path.iterdir()} >= {"compare.json", "compare.md", "compare.csv", "figures", "traces"}
     again = CliRunner().invoke(cli.main, args)
@@ -141,9 +141,13 @@ def test_a_real_compare_through_the_cli(tmp_path):
 
 
 def test_progress_counts_the_comparisons_runs_across_its_seeds_and_sweeps(tmp_path, monkeypatch):
-    """Each seed's sweep counted only its own runs: four runs read "run 1/2, run 2/2" twice."""
+    """Each seed's sweep counted only its own runs: four runs read "run 1/2, run 2/2" twice. And a method's trace
+    runs beside its full runs, after them on the first seed and before them on the next (the order alternates, so a
+    steady drift of the host's speed does not bias composed against measured the same way on every seed)."""
+    order: list[str] = []
 
     def run(config, out, on_progress=None):
+        order.append(f"{'trace ' if out.parent.parent.name == 'traces' else ''}{out.name}")
         fake_run(out.parent, Combination(config.method, config.profile.name, config.train.seed), config.train.steps)
         return json.loads((out / "summary.json").read_text())
 
@@ -165,8 +169,14 @@ def test_progress_counts_the_comparisons_runs_across_its_seeds_and_sweeps(tmp_pa
     spec = spec_of(seeds=(0, 1), composed=("100mbps",))
     positions = Positions()
     run_compare(spec, tmp_path, observer=positions)
-    # Per seed: 2 methods on 1gbps and on the unshaped link (the composed profile's trajectory), then 2 traces.
+    # Per seed and method: its runs on 1gbps and unshaped (the composed profile's trajectory), and its trace.
     assert positions.seen == [(n, 12) for n in range(1, 13)]
+    assert order == [
+        "allreduce-1gbps-s0", "allreduce-unshaped-s0", "trace allreduce-100mbps-s0",
+        "opendiloco-1gbps-s0", "opendiloco-unshaped-s0", "trace opendiloco-100mbps-s0",
+        "trace allreduce-100mbps-s1", "allreduce-1gbps-s1", "allreduce-unshaped-s1",
+        "trace opendiloco-100mbps-s1", "opendiloco-1gbps-s1", "opendiloco-unshaped-s1",
+    ]  # fmt: skip
 
 
 def test_compare_runs_the_control_by_default_and_flags_a_target_it_reaches(tmp_path, monkeypatch):
@@ -223,9 +233,9 @@ def test_regime_derives_its_link_first_and_composes_only_what_would_not_finish(t
     assert shown.exit_code == 0, shown.output
     assert derived == ["paper-107b"]
     here = tmp_path.name
-    assert calls == [f"{here}/allreduce-1gbps-s0", f"{here}/opendiloco-1gbps-s0", f"{here}/local-1gbps-s0",
-                     f"{here}/opendiloco-paper-107b-s0", f"{here}/local-paper-107b-s0",
-                     "traces/allreduce-paper-107b-s0"]  # fmt: skip
+    assert calls == [f"{here}/allreduce-1gbps-s0", "traces/allreduce-paper-107b-s0",
+                     f"{here}/opendiloco-1gbps-s0", f"{here}/opendiloco-paper-107b-s0",
+                     f"{here}/local-1gbps-s0", f"{here}/local-paper-107b-s0"]  # fmt: skip
     document = json.loads((tmp_path / "compare.json").read_text())
     assert document["settings"]["composed_methods"] == {"paper-107b": ["allreduce"]}
     predicted = document["settings"]["predicted_run_s"]
