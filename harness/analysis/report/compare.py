@@ -177,12 +177,40 @@ def composition_notes(comparison: Comparison) -> list[str]:
             lines.append(
                 f"{FLAG} {r['variant']} on {r['profile']} ({COMPOSED}): trace not steady: {r['trace_problems']}."
             )
+    lines.extend(_composition_error_notes(comparison.rows))
     adaptive = [m for m, c in comparison.spec.cadences().items() if c.adaptive]
     if adaptive:
         lines.append(
             f"{', '.join(adaptive)} {'adapts its' if len(adaptive) == 1 else 'adapt their'} rounds during a run: the "
             f"trace holds the first rounds, which send the most bytes per step, so the {COMPOSED} time is likely an "
             "overestimate."
+        )
+    return lines
+
+
+def _composition_error_notes(rows: pd.DataFrame) -> list[str]:
+    """Which composed figures carry the composition's own error, and which could not (time_to_target's
+    _with_composition_error)."""
+    widened = [
+        f"{r['variant']} on {r['profile']} (composed / measured {r['composition_error_low']:.3f}x–"
+        f"{r['composition_error_high']:.3f}x)"
+        for _, r in rows.iterrows()
+        if r["how"] == COMPOSED and r["composition_error"] == "included"
+    ]
+    unchecked = [
+        f"{r['variant']} on {r['profile']}" for _, r in rows.iterrows() if r["composition_error"] == "not checked"
+    ]
+    lines = []
+    if widened:
+        lines.append(
+            "Composed intervals include the composition's own error, as this study checked it where the same method "
+            "ran both ways: " + "; ".join(widened) + ". Time to target, tokens/s and every speed-up over or of a "
+            "composed figure are widened by it (an interval shown as its two ends is no longer symmetric)."
+        )
+    if unchecked:
+        lines.append(
+            "Not checked in this study (no link where the method ran both measured and composed), so its interval is "
+            "the seeds' alone: " + ", ".join(unchecked) + "."
         )
     return lines
 

@@ -4,8 +4,9 @@ Every markdown table goes through markdown_table: `harness report`'s and `harnes
 report/compare.py), the gate's (gate/check.py, gate/baseline.py, gate/baseline_diff.py) and
 `harness project --validate`'s. Plain markdown, so CI logs (narrow: a rich table wraps) and files read alike.
 
-A figure with its spread is written as report/aggregates.py aggregates it: '1,100 ± 248' (n >= 3), '1,100 (range
-1,000–1,200)' (n = 2), '1,000 (n=1, no spread)'; a missing figure is '-'.
+A figure with its spread is written as report/aggregates.py aggregates it: '1,100 ± 248' (n >= 3; '1,100
+(900–1,400)' where the interval is not symmetric), '1,100 (range 1,000–1,200)' (n = 2), '1,000 (n=1, no spread)'; a
+missing figure is '-'.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def with_spread(
         return "-"
     extra = f", {note}" if note else ""
     if n >= 3 and not blank(low):
+        # An interval that was widened on one side only (time_to_target._with_composition_error) shows its ends.
+        if not math.isclose(high - mean, mean - low, rel_tol=1e-6, abs_tol=1e-9 * abs(mean)):
+            return f"{fmt(mean)} ({fmt(low)}–{fmt(high)}{extra})"
         return f"{fmt(mean)} ± {half(high - mean)}" + (f" ({note})" if note else "")
     if n == 2 and not blank(low):
         return f"{fmt(mean)} (range {fmt(low)}–{fmt(high)}{extra})"

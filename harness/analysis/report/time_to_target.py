@@ -19,7 +19,10 @@ speed-ups and loss gaps out.
 Every row says how its times were got: "measured" (the full run on the link) or "composed" (the trajectory composed
 with a trace on the link, harness/analysis/projection/composition.py); a composed figure is never shown without that
 label. Where a profile is both measured and composed, the composed time to target is set beside the measured one,
-their ratio paired per seed: the check that the composition holds.
+their ratio paired per seed: the check that the composition holds. That check's interval then goes into the composed
+figures it can be carried to (_with_composition_error): on a link where a method is only composed, its time to
+target, tokens/s and the speed-ups that divide by or into it are widened to cover composed / measured as this study
+measured it for the same method.
 """
 
 from __future__ import annotations
@@ -343,6 +346,68 @@ def _validation(spec: CompareSpec, runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def composition_error(validation: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Per variant, the interval of composed / measured time to target over the links it was checked on (their
+    union; the mean alone where n = 1)."""
+    errors: dict[str, tuple[float, float]] = {}
+    for _, r in validation.iterrows():
+        mean = r["composed_over_measured"]
+        if pd.isna(mean):
+            continue
+        low, high = r["composed_over_measured_low"], r["composed_over_measured_high"]
+        low, high = (mean, mean) if pd.isna(low) else (low, high)
+        seen = errors.get(r["variant"], (low, high))
+        errors[r["variant"]] = (min(seen[0], low), max(seen[1], high))
+    return errors
+
+
+def _widened(row: dict[str, Any], name: str, low_factor: float, high_factor: float) -> None:
+    """`name`'s interval stretched outwards by the factors (each only ever widens); a figure without an interval
+    (n < 2) gets one from the factors alone."""
+    mean, low, high = row[name], row[f"{name}_low"], row[f"{name}_high"]
+    if pd.isna(mean):
+        return
+    low, high = (mean, mean) if pd.isna(low) else (low, high)
+    row[f"{name}_low"], row[f"{name}_high"] = low * min(1.0, low_factor), high * max(1.0, high_factor)
+
+
+def _with_composition_error(rows: pd.DataFrame, validation: pd.DataFrame) -> pd.DataFrame:
+    """Rows whose figures rest on a composition not checked on their own link, widened by the error the check found
+    for that variant elsewhere in the study (module doc). With r = composed / measured in [r_low, r_high], the true
+    time is the composed one over r: time to target widens to [low / r_high, high / r_low], tokens/s to [low x r_low,
+    high x r_high], and a speed-up by the method's r (when it is composed) over AllReduce's (when AllReduce is),
+    each only outwards. `composition_error_low/high` record the r used (NaN where none was); `composition_error`
+    says what was done: "checked here" (the link is the check), "included", "not checked" (a composed row whose
+    variant ran both ways on no link of this study), or "" (a measured row no composed figure enters)."""
+    errors = composition_error(validation)
+    checked = set(zip(validation.get("profile", []), validation.get("variant", []), strict=True))
+    out = []
+    for _, group in rows.groupby("profile", sort=False):
+        baseline = group[(group["method"] == BASELINE) & (group["how"] == COMPOSED)]
+        base = errors.get(baseline["variant"].iloc[0]) if not baseline.empty else None
+        for _, r in group.iterrows():
+            row = {**r.to_dict(), "composition_error": "", "composition_error_low": math.nan}
+            row["composition_error_high"] = math.nan
+            own = errors.get(r["variant"]) if r["how"] == COMPOSED else None
+            if (r["profile"], r["variant"]) in checked:
+                row["composition_error"] = "checked here"
+            elif r["how"] == COMPOSED and own is None:
+                row["composition_error"] = "not checked"
+            if own is not None and not row["composition_error"]:
+                row["composition_error"] = "included"
+                row["composition_error_low"], row["composition_error_high"] = own
+                _widened(row, "time_to_target_s", 1 / own[1], 1 / own[0])
+                _widened(row, "tokens_per_s", own[0], own[1])
+            if not row["composition_error"] and r["method"] != BASELINE and base is not None:
+                row["composition_error"] = "included"
+            if row["composition_error"] == "included" and r["method"] != BASELINE:
+                mine, theirs = own or (1.0, 1.0), base or (1.0, 1.0)
+                _widened(row, "speedup", mine[0] / theirs[1], mine[1] / theirs[0])
+            out.append(row)
+    extra = ["composition_error", "composition_error_low", "composition_error_high"]
+    return pd.DataFrame(out, columns=[*rows.columns, *extra])
+
+
 def _unreachable(runs: pd.DataFrame, target: float, out: Path) -> CompareError:
     closest = runs.loc[runs["best_val_loss"].idxmin()]
     return CompareError(
@@ -370,8 +435,9 @@ def analyse(spec: CompareSpec, out: Path) -> Comparison:
     if runs["time_to_target_s"].isna().all():
         raise _unreachable(runs, target, out)
     curves = pd.concat([*measured_curves, *composed_curves], ignore_index=True)
+    validation = _validation(spec, runs)
     return Comparison(
         spec, target, "given" if spec.target_loss is not None else BASELINE, chosen.rule, chosen.label,
-        _rows(spec, runs, curves),
-        runs, curves, _validation(spec, runs), (*full.failed, *traces.failed),
+        _with_composition_error(_rows(spec, runs, curves), validation),
+        runs, curves, validation, (*full.failed, *traces.failed),
     )  # fmt: skip

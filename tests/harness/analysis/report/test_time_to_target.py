@@ -10,9 +10,10 @@ import pandas as pd
 import pytest
 
 from harness.analysis.plan import CompareError, parse_selected_on
-from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
+from harness.analysis.report.compare import _composition_error_notes, compare_markdown, summary_lines, write_outputs
 from harness.analysis.report.compare_figures import target_loss_figure
-from harness.analysis.report.time_to_target import COMPOSED, MEASURED, analyse
+from harness.analysis.report.markdown import spread_cell
+from harness.analysis.report.time_to_target import COMPOSED, MEASURED, _with_composition_error, analyse
 from tests.harness.analysis.comparing import SPEED, fake_compare, fake_run, row, spec_of
 
 # --- time to target, speed-up, loss gap ----------------------------------------------------------------------------
@@ -253,3 +254,55 @@ def test_runs_timed_on_a_busy_host_are_named_and_a_quiet_study_says_nothing(tmp_
     assert note in compare_markdown(result)
     write_outputs(result, tmp_path, "harness compare ...")
     assert any(n.startswith(note) for n in json.loads((tmp_path / "compare.json").read_text())["notes"])
+
+
+# --- the composition's own error in a composed figure --------------------------------------------------------------
+
+
+def _spread_row(profile, how, method, time_s, tokens_per_s, speedup):
+    """A table row whose three figures are each (mean, low, high) over 3 seeds."""
+    r = {"profile": profile, "how": how, "method": method, "variant": method}
+    for name, (mean, low, high) in (("time_to_target_s", time_s), ("tokens_per_s", tokens_per_s), ("speedup", speedup)):
+        r.update({name: mean, f"{name}_n": 3, f"{name}_low": low, f"{name}_high": high})
+    return r
+
+
+def test_a_composed_figure_on_a_link_not_checked_carries_the_error_found_where_it_was():
+    """AllReduce composed on a slow link and checked on 100mbps at composed / measured 0.98 (0.95-1.01): the true
+    time is composed / r, so its interval runs from 900 / 1.01 to 1,100 / 0.95; its tokens/s from 38 x 0.95 to 42 x
+    1.01; DiLoCoX, measured there, divides that time, so its speed-up widens by 1 / r the same way. A composed method
+    never checked keeps its seeds' interval and is named."""
+    rows = pd.DataFrame(
+        [
+            _spread_row("100mbps", COMPOSED, "allreduce", (50, 45, 55), (800, 780, 820), (1, 1, 1)),
+            _spread_row("slow", COMPOSED, "allreduce", (1000, 900, 1100), (40, 38, 42), (1, 1, 1)),
+            _spread_row("slow", MEASURED, "dilocox", (10, 9, 11), (9000, 8000, 1e4), (100, 90, 110)),
+            _spread_row("slow", COMPOSED, "cocktail", (20, 18, 22), (2000, 1900, 2100), (50, 45, 55)),
+        ]
+    )
+    validation = pd.DataFrame(
+        [
+            {"profile": "100mbps", "variant": "allreduce", "composed_over_measured": 0.98,
+             "composed_over_measured_low": 0.95, "composed_over_measured_high": 1.01},
+        ]
+    )  # fmt: skip
+    out = _with_composition_error(rows, validation).set_index(["profile", "method"])
+    checked, composed = out.loc[("100mbps", "allreduce")], out.loc[("slow", "allreduce")]
+    assert checked["composition_error"] == "checked here" and checked["time_to_target_s_high"] == 55
+    assert composed["composition_error"] == "included"
+    assert (composed["time_to_target_s_low"], composed["time_to_target_s_high"]) == pytest.approx(
+        (900 / 1.01, 1100 / 0.95)
+    )
+    assert (composed["tokens_per_s_low"], composed["tokens_per_s_high"]) == pytest.approx((38 * 0.95, 42 * 1.01))
+    measured = out.loc[("slow", "dilocox")]
+    assert (measured["speedup_low"], measured["speedup_high"]) == pytest.approx((90 / 1.01, 110 / 0.95))
+    assert measured["time_to_target_s_high"] == 11  # its own time is measured: untouched
+    unchecked = out.loc[("slow", "cocktail")]
+    assert unchecked["composition_error"] == "not checked"
+    assert (unchecked["time_to_target_s_low"], unchecked["time_to_target_s_high"]) == (18, 22)
+    # Widened on one side more than the other, the cell shows the interval's two ends instead of a ±.
+    cell = spread_cell(composed, "time_to_target_s", lambda v: f"{v:,.0f} s", lambda v: f"{v:.2g}")
+    assert cell == "1,000 s (891 s–1,158 s)"
+    notes = _composition_error_notes(out.reset_index())
+    assert "allreduce on slow (composed / measured 0.950x–1.010x)" in notes[0]
+    assert notes[1].endswith("the seeds' alone: cocktail on slow.")
