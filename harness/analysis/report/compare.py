@@ -373,6 +373,8 @@ def summary_lines(comparison: Comparison) -> list[str]:
             if note:
                 lines.append(f"{profile}: {note}")
     for _, r in comparison.validation.iterrows():
+        if blank(r["composed_over_measured"]):  # never reached the target (local): no time to set beside another
+            continue
         lines.append(
             f"{r['profile']}: {r['variant']} {COMPOSED} {_seconds(r['composed_s'])} vs measured "
             f"{_seconds(r['measured_s'])}: {COMPOSED} / measured = "

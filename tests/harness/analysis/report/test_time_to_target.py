@@ -139,6 +139,18 @@ def test_a_profile_measured_and_composed_sets_the_two_side_by_side(tmp_path):
     assert any("composed / measured = 1.000x" in line for line in summary_lines(result))
 
 
+def test_a_method_that_never_reaches_the_target_gets_no_composed_over_measured_line(tmp_path):
+    """local, under the default target, reaches it neither way: its row in the check says n/a, and the summary has no
+    "nan s vs nan s" line for it."""
+    spec = spec_of(methods=("allreduce", "opendiloco", "local"), profiles=("100mbps",), composed=("100mbps",))
+    fake_compare(tmp_path, spec)
+    result = analyse(spec, tmp_path)
+    assert result.validation.set_index("method").loc["local", "composed_over_measured_n"] == 0
+    lines = summary_lines(result)
+    assert not [line for line in lines if "nan" in line]
+    assert not [line for line in lines if line.startswith("100mbps: local composed")]
+
+
 # --- the control ---------------------------------------------------------------------------------------------------
 
 
