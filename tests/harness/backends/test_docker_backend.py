@@ -29,7 +29,7 @@ docker = pytest.importorskip("docker", reason="the docker SDK is not installed; 
 
 from harness.backends.docker import RUN_KEY_LABEL, cleanup, parse_gpus, unavailable_reason  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 REPO = Path(__file__).resolve().parents[3]
 DOCKER = ["--backend", "docker"]

@@ -40,6 +40,7 @@ def test_the_default_burst_is_a_few_ms_of_line_time_but_at_least_a_gso_segment()
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @pytest.mark.skipif(
     os.geteuid() != 0 and not user_namespaces_work(), reason="needs root or user namespaces to build namespaces"
 )

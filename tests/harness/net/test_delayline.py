@@ -272,6 +272,7 @@ def userspace_cluster(keys, profile: str, log_dir: Path, seed: int = 0):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @e2e
 def test_a_lossy_wan_through_the_delay_line_measures_as_the_profile_and_leaves_nothing(keys, tmp_path):
     from harness.lock import RunLock
@@ -331,6 +332,7 @@ def test_a_lossy_wan_through_the_delay_line_measures_as_the_profile_and_leaves_n
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @e2e
 def test_a_killed_delay_line_is_named_by_vanished_and_down_still_removes_everything(keys, tmp_path):
     from harness.lock import RunLock
@@ -391,6 +393,7 @@ def start_child(keys, key: str, log_dir: Path, lock: bool) -> list[int]:
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @e2e
 def test_delay_lines_die_with_a_killed_harness_and_cleanup_removes_the_rest(keys, tmp_path):
     from harness.backends.netns import cleanup
@@ -412,6 +415,7 @@ def test_delay_lines_die_with_a_killed_harness_and_cleanup_removes_the_rest(keys
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @e2e
 def test_cleanup_kills_a_delay_line_that_outlived_its_dead_run(keys, tmp_path):
     """A delay line whose parent-death signal did not fire (here: its parent is this test, alive) must not keep a
@@ -456,6 +460,7 @@ def test_cleanup_kills_a_delay_line_that_outlived_its_dead_run(keys, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @e2e
 def test_a_real_run_checks_its_link_through_the_delay_line_and_leaves_nothing(tmp_path):
     from harness.net.shaping import probe_qdiscs
@@ -507,6 +512,7 @@ def test_a_real_run_checks_its_link_through_the_delay_line_and_leaves_nothing(tm
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @e2e
 def test_a_clamped_window_bounds_a_stream_through_the_delay_line():
     """bench-delayline --window-bytes: a 256 KiB window at 40 ms allows 52 Mbit/s, where the same stream unclamped
@@ -522,6 +528,7 @@ def test_a_clamped_window_bounds_a_stream_through_the_delay_line():
 
 
 @pytest.mark.e2e
+@pytest.mark.alone
 @e2e
 def test_a_run_with_bursty_loss_records_what_the_delay_lines_dropped(tmp_path):
     """The loss model runs on each cluster's delay line, on what that cluster sends; summary.json sets the configured

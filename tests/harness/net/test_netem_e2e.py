@@ -18,7 +18,7 @@ from harness.net.shaping import probe_qdiscs
 from harness.net.topology import Topology
 from tests.harness.hoststate import netns_names
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 if os.geteuid() != 0:
     pytest.skip("the netem path builds namespaces under /run/netns, which needs root", allow_module_level=True)

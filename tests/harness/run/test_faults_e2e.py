@@ -22,6 +22,7 @@ def fault_events(out):
     return [json.loads(line) for line in (out / "events" / "faults.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.alone
 def test_dilocox_rides_out_an_outage_and_a_rate_change(tmp_path):
     before = snapshot()
     out = tmp_path / "run"
@@ -67,6 +68,7 @@ def test_a_killed_rank_fails_allreduce_naming_it_and_the_fault(tmp_path):
     assert leftovers(before, run_marker(out)) == {}
 
 
+@pytest.mark.alone
 def test_an_outage_longer_than_the_collective_timeout_is_warned_about_and_named_in_the_failure(tmp_path):
     """Every rank waits on the dead link alike: the watchdog blamed rank 0 by tie-break, naming no outage."""
     before = snapshot()

@@ -15,7 +15,7 @@ from harness.userns import user_namespaces_work
 from tests.harness.e2e import HARNESS, SMALL_RUN, harness, rank_pid, run_marker, summary_of, wait_for_steps
 from tests.harness.hoststate import leftovers, snapshot, worker_pids
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 if os.geteuid() != 0 and not user_namespaces_work():
     pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)

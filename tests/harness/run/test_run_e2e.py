@@ -49,6 +49,7 @@ def test_allreduce_trains_and_counts_its_bytes_on_the_wire(tmp_path):
     assert leftovers(before, run_marker(out)) == {}
 
 
+@pytest.mark.alone
 def test_calibration_measures_the_shaped_rate(tmp_path):
     before = snapshot()
     out = tmp_path / "cal"
@@ -146,6 +147,7 @@ def test_worker_that_raises_fails_the_run_with_its_error(tmp_path):
     assert leftovers(before, run_marker(out)) == {}
 
 
+@pytest.mark.alone
 def test_killed_harness_takes_its_workers_with_it(tmp_path):
     """SIGKILL gives the harness no chance to clean up; the kernel still ends its workers (PDEATHSIG)."""
     out = tmp_path / "run"

@@ -12,7 +12,7 @@ from harness.userns import user_namespaces_work
 from tests.harness.e2e import SMALL_RUN, harness, run_marker, summary_of
 from tests.harness.hoststate import leftovers, snapshot
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 if os.geteuid() != 0 and not user_namespaces_work():
     pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)

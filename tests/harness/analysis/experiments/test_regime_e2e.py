@@ -15,7 +15,7 @@ from harness.analysis.projection import regime as projection
 from harness.analysis.projection.regime import REGIME_TOLERANCE, RegimeTarget
 from harness.userns import user_namespaces_work
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]
 
 if os.geteuid() != 0 and not user_namespaces_work():
     pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)
