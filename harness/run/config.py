@@ -179,7 +179,7 @@ class RunConfig:
         self._check_trace()
         self._check_scalar_writers()
         self._check_checkpoints()
-        if self.mode == "calibrate" and self.clusters < 2:
+        if (self.mode == "calibrate" or self.calibrate) and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         ranks_share_memory = capabilities(self.backend).ranks_share_host_cpus
         self._check_host_side(ranks_share_memory)

@@ -245,6 +245,51 @@ CASES = [
         ["project", "--compute-s", "0.1", "--csv", "{tmp}/x.csv"],
         ["--csv writes --validate's table", "--json"],
     ),
+    # Raises no other test reached (a coverage run of the unit tests, 2026-12-07), each a user's mistake.
+    Case(
+        "bench-sites-one-site",
+        ["bench-sites", "--sites", "1,4", "--out", "{tmp}/bench"],
+        ["--sites counts must be at least 2"],
+    ),
+    Case(
+        "bench-sites-out-exists",
+        ["bench-sites", "--out", "{tmp}/there"],
+        ["there exists; name a new folder with --out"],
+        files={"there": None},
+    ),
+    Case("baseline-without-results", ["baseline"], ["give RESULTS and --out FILE"]),
+    Case(
+        "sweep-seeds-not-numbers",
+        ["sweep", "--methods", "allreduce", "--seeds", "a,b", "--out", "s"],
+        ["must be a comma-separated list of ints"],
+    ),
+    Case("calibrate-one-cluster", ["calibrate", "--clusters", "1"], ["calibration measures the link between clusters"]),
+    # `run --calibrate` with one cluster had no link to measure and skipped the calibration without a word.
+    Case(
+        "run-calibrate-one-cluster",
+        ["run", "--calibrate", "--clusters", "1"],
+        ["calibration measures the link between clusters; use --clusters 2 or more"],
+    ),
+    Case(
+        "outer-lr-nan", ["run", "--method", "dilocox", "--set", "outer_lr=nan"], ["outer_lr must be a positive finite"]
+    ),
+    Case(
+        "resume-a-folder-without-a-run",
+        ["run", "--resume", "{tmp}/empty"],
+        ["has no config.json, so it holds no run"],
+        files={"empty": None},
+    ),
+    Case(
+        "project-window-bytes-zero",
+        ["project", "--compute-s", "0.1", "--window-bytes", "0"],
+        ["--window-bytes must be a positive number of bytes"],
+    ),
+    Case(
+        "sweep-unknown-regime",
+        ["sweep", "--methods", "allreduce", "--regime", "nosuch", "--out", "s"],
+        ["unknown regime 'nosuch'"],
+    ),
+    Case("docker-gpus-not-understood", ["run", "--backend", "docker", "--gpus", "x"], ["--gpus 'x' is not understood"]),
 ]
 
 
