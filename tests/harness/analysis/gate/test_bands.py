@@ -61,6 +61,17 @@ def test_band_is_a_factor_either_way():
             "run: {steps: 40}\nchecks: [{method: dilocox, profile: 100mbps, utilisation: {}}]\n",
             "checks[0] gates utilisation, a metric of the gate before it measured only what does not move",
         ),
+        # Raises no test reached before (a coverage run, 2026-12-07): a hand-edited baseline's other mistakes.
+        ("run: [steps, 40]\nchecks: [{method: local, profile: 100mbps}]\n", "run must be a mapping of run settings"),
+        ("run: {steps: 40, seed: x}\nchecks: [{method: local}]\n", "run: seed must be an integer, got 'x'"),
+        ("run: {steps: 40, methods: [local]}\nchecks: [{method: local}]\n", "run: methods must map a method name"),
+        ("run: {steps: 40, methods: {local: 3}}\nchecks: [{method: local}]\n", "run: methods: local must map option"),
+        ("run: {steps: 40}\nchecks: [local]\n", "checks[0] must be a mapping with method, profile and metric bands"),
+        (
+            "run: {steps: 40}\nchecks: [{method: local, profile: 7,\n"
+            "  final_val_loss: {reference: 1, noise: 0, tolerance: 0.1}}]\n",
+            "profile must be a profile name or a path",
+        ),
     ],
 )
 def test_malformed_baseline_is_one_clear_sentence_and_exit_2(tmp_path, text, message):
