@@ -346,7 +346,7 @@ def _validation(spec: CompareSpec, runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def composition_error(validation: pd.DataFrame) -> dict[str, tuple[float, float]]:
+def _composition_errors(validation: pd.DataFrame) -> dict[str, tuple[float, float]]:
     """Per variant, the interval of composed / measured time to target over the links it was checked on (their
     union; the mean alone where n = 1)."""
     errors: dict[str, tuple[float, float]] = {}
@@ -379,30 +379,29 @@ def _with_composition_error(rows: pd.DataFrame, validation: pd.DataFrame) -> pd.
     each only outwards. `composition_error_low/high` record the r used (NaN where none was); `composition_error`
     says what was done: "checked here" (the link is the check), "included", "not checked" (a composed row whose
     variant ran both ways on no link of this study), or "" (a measured row no composed figure enters)."""
-    errors = composition_error(validation)
+    errors = _composition_errors(validation)
     checked = set(zip(validation.get("profile", []), validation.get("variant", []), strict=True))
     out = []
     for _, group in rows.groupby("profile", sort=False):
         baseline = group[(group["method"] == BASELINE) & (group["how"] == COMPOSED)]
         base = errors.get(baseline["variant"].iloc[0]) if not baseline.empty else None
         for _, r in group.iterrows():
-            row = {**r.to_dict(), "composition_error": "", "composition_error_low": math.nan}
-            row["composition_error_high"] = math.nan
+            row = {**r.to_dict(), "composition_error_low": math.nan, "composition_error_high": math.nan}
             own = errors.get(r["variant"]) if r["how"] == COMPOSED else None
             if (r["profile"], r["variant"]) in checked:
                 row["composition_error"] = "checked here"
-            elif r["how"] == COMPOSED and own is None:
-                row["composition_error"] = "not checked"
-            if own is not None and not row["composition_error"]:
-                row["composition_error"] = "included"
-                row["composition_error_low"], row["composition_error_high"] = own
-                _widened(row, "time_to_target_s", 1 / own[1], 1 / own[0])
-                _widened(row, "tokens_per_s", own[0], own[1])
-            if not row["composition_error"] and r["method"] != BASELINE and base is not None:
-                row["composition_error"] = "included"
-            if row["composition_error"] == "included" and r["method"] != BASELINE:
-                mine, theirs = own or (1.0, 1.0), base or (1.0, 1.0)
-                _widened(row, "speedup", mine[0] / theirs[1], mine[1] / theirs[0])
+            elif r["how"] == COMPOSED:
+                row["composition_error"] = "included" if own else "not checked"
+            else:
+                row["composition_error"] = "included" if base and r["method"] != BASELINE else ""
+            if row["composition_error"] == "included":
+                if own:
+                    row["composition_error_low"], row["composition_error_high"] = own
+                    _widened(row, "time_to_target_s", 1 / own[1], 1 / own[0])
+                    _widened(row, "tokens_per_s", own[0], own[1])
+                if r["method"] != BASELINE:
+                    mine, theirs = own or (1.0, 1.0), base or (1.0, 1.0)
+                    _widened(row, "speedup", mine[0] / theirs[1], mine[1] / theirs[0])
             out.append(row)
     extra = ["composition_error", "composition_error_low", "composition_error_high"]
     return pd.DataFrame(out, columns=[*rows.columns, *extra])
