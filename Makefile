@@ -11,7 +11,7 @@ $(BIN)/harness: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned exactly: a CPU build of 2.13.0 where one is on disk, and nothing newer.
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev,docker,tcconfig,hf,tensorboard,wandb]"
+	$(BIN)/pip install --quiet -e ".[dev,docker,tcconfig,hf,tensorboard,wandb,ft]"
 	touch $(BIN)/harness
 
 setup: $(BIN)/harness

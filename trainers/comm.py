@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from trainers.compression.quantize import Quantized, dequantize, quantize, quantized_nbytes
+from trainers.fault_tolerance import ManagedGroup
 
 
 def allreduce_payload_bytes(nbytes: int, n: int) -> int:
@@ -33,19 +34,22 @@ class InFlight:
     finishes, so the share of its duration that overlapped computation is known, not guessed.
     """
 
-    def __init__(self, work: dist.Work | None, payload_bytes: int):
+    def __init__(self, work: dist.Work | None, payload_bytes: int, done_when_waited: bool = False):
+        """`done_when_waited`: the work's future runs no callback (torchft's, when a replica failed in it), so the
+        collective counts as done when `wait()` returns: right for an exchange the caller blocks on at once."""
         self.payload_bytes = payload_bytes
         self.started = time.perf_counter()
         self._done_at: float | None = None
         self._done = threading.Event()
         self._work = work
+        self._done_when_waited = done_when_waited
         if work is None:
             self._done_at = self.started
             self._done.set()
-        else:
+        elif not done_when_waited:
             work.get_future().then(self._mark_done)
 
-    def _mark_done(self, fut: torch.futures.Future) -> None:
+    def _mark_done(self, fut: torch.futures.Future | None) -> None:
         self._done_at = time.perf_counter()
         self._done.set()
 
@@ -54,6 +58,8 @@ class InFlight:
         wait_from = time.perf_counter()
         if self._work is not None:
             self._work.wait()
+        if self._done_when_waited and not self._done.is_set():
+            self._mark_done(None)
         self._done.wait()
         blocked = time.perf_counter() - wait_from
         duration = max(0.0, self._done_at - self.started)
@@ -98,12 +104,16 @@ class InThread:
         return self._blocked_s, max(0.0, duration - self._blocked_s)
 
 
-def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | None) -> InFlight:
+def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup | ManagedGroup | None) -> InFlight:
     """Start summing `flat` in place across `group`; the sum is there once `wait()` returns."""
     if group is None:
         return InFlight(None, 0)
+    nbytes = flat.numel() * flat.element_size()
+    if isinstance(group, ManagedGroup):
+        # Under fault tolerance: over the replicas in the quorum, through torchft (trainers/fault_tolerance.py).
+        return InFlight(group.all_reduce_sum(flat), allreduce_payload_bytes(nbytes, group.size()), True)
     work = dist.all_reduce(flat, group=group, async_op=True)
-    return InFlight(work, allreduce_payload_bytes(flat.numel() * flat.element_size(), dist.get_world_size(group)))
+    return InFlight(work, allreduce_payload_bytes(nbytes, dist.get_world_size(group)))
 
 
 def all_gather_bytes(payload: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[list[torch.Tensor], InFlight]:

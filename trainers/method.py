@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from trainers.comm import allgather_payload_bytes, allreduce_payload_bytes
 from trainers.config import OptimConfig
+from trainers.fault_tolerance import ManagedGroup
 from trainers.optim import InnerOptimizer, optimizer_state
 
 Collective = Literal["all-reduce", "all-gather"]
@@ -152,7 +153,8 @@ class MethodContext:
     """What a method is built from."""
 
     named_params: list[tuple[str, torch.nn.Parameter]]  # this rank's pipeline stage only
-    data_parallel_group: dist.ProcessGroup | None  # same stage on every cluster: the slow link. None: 1 cluster
+    # The same stage on every cluster: the slow link (a ManagedGroup under fault tolerance). None: 1 cluster.
+    data_parallel_group: dist.ProcessGroup | ManagedGroup | None
     pipeline_group: dist.ProcessGroup | None  # the stages of this cluster: fast links. None: 1 stage
     optim: OptimConfig
     total_steps: int
@@ -164,7 +166,12 @@ class MethodContext:
 
     @property
     def replicas(self) -> int:
-        return 1 if self.data_parallel_group is None else dist.get_world_size(self.data_parallel_group)
+        """The replicas an exchange averages over: the data-parallel group's, or under fault tolerance those in
+        the current quorum (trainers/fault_tolerance.py)."""
+        group = self.data_parallel_group
+        if group is None:
+            return 1
+        return group.size() if isinstance(group, ManagedGroup) else dist.get_world_size(group)
 
 
 @dataclass

@@ -6,9 +6,10 @@ method is evaluated at the same token counts on the same held-out batches.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from trainers.checkpoint import latest_complete, load_rank, mark_complete, save_rank
 from trainers.config import TrainConfig
 from trainers.data import data_phase, load_corpus, replica_batches, validation_batches
+from trainers.fault_tolerance import ManagedGroup
 from trainers.method import MethodContext
 from trainers.models import build_model, count_parameters
 from trainers.pipeline import build_stage
@@ -47,7 +49,8 @@ class _Setup:
 
     stage: Any
     method: Any
-    batches: Any
+    batches_from: Callable[[int], Iterator[tuple[torch.Tensor, torch.Tensor]]]  # the stream from a step on
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]  # the stream the next step draws from
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     tokens_per_step: int
     bits_per_byte: Callable[[float], float]  # a held-out loss per token in bits per byte of text
@@ -63,10 +66,16 @@ def _set_up(cfg: TrainConfig, method_name: str, method_config: Any, par: Paralle
     stage = build_stage(
         model, par.stage, par.stages, par.pipeline_group, cfg.microbatches or par.stages, cfg.pipeline_schedule
     )
-    # One batch per step, so the stream counts steps: with data_shift it moves to another segment every N batches.
-    batches = replica_batches(
-        corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed, data_shift=cfg.data_shift
-    )
+
+    def batches_from(step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # One batch per step, so the stream counts steps: with data_shift it moves to another segment every N
+        # batches. The stream is a function of (seed, replica): from step N it is the batches of steps N, N + 1, ...
+        stream = replica_batches(
+            corpus, par.cluster, par.clusters, cfg.batch_size, seq_len, cfg.seed, data_shift=cfg.data_shift
+        )
+        next(itertools.islice(stream, step, step), None)
+        return stream
+
     val_batches = [
         (x.to(par.device), y.to(par.device))
         for x, y in validation_batches(corpus, cfg.batch_size, seq_len, cfg.eval_batches)
@@ -97,7 +106,7 @@ def _set_up(cfg: TrainConfig, method_name: str, method_config: Any, par: Paralle
             "device": str(par.device),
         }
     )
-    return _Setup(stage, method, batches, val_batches, tokens_per_step, corpus.bits_per_byte)
+    return _Setup(stage, method, batches_from, batches_from(0), val_batches, tokens_per_step, corpus.bits_per_byte)
 
 
 class _Evaluator:
@@ -164,7 +173,9 @@ def train(
     stage, method, tokens_per_step = setup.stage, setup.method, setup.tokens_per_step
     evaluate = _Evaluator(setup, log)
     progress = _resume(setup, evaluate, par, checkpointing, log)
-    if progress.start_step == 0:
+    group = par.data_parallel_group
+    rounds = _Rounds(group, setup, log) if isinstance(group, ManagedGroup) else None
+    if progress.start_step == 0 and not (rounds and group.rejoining):
         evaluate(0)
     saver = _Saver(setup, evaluate, par, checkpointing, progress.start_step, log)
     dist.barrier()
@@ -174,8 +185,10 @@ def train(
     window_first_step = progress.start_step + min(cfg.throughput_warmup_steps, cfg.steps - progress.start_step - 1)
     window_start = time.perf_counter()
     excluded_s_at_window_start = evaluate.total_s
-    losses = progress.losses
-    for step in range(progress.start_step, cfg.steps):
+    losses, step = progress.losses, progress.start_step
+    while step < cfg.steps:
+        if rounds is not None and rounds.starting:
+            step = rounds.begin(step, losses)
         started = time.perf_counter()
         inputs, targets = (t.to(par.device, non_blocking=True) for t in next(setup.batches))
         loss = stage.forward_backward(inputs, targets)
@@ -184,20 +197,11 @@ def train(
         # Communication still in flight after the last step belongs to the run: drain it inside the window.
         final_reports = method.finish() if step == cfg.steps - 1 else []
         ended = time.perf_counter()
+        if rounds is not None and (report is not None or final_reports) and not rounds.commit(step, losses):
+            step = rounds.snapshot["step"]
+            continue
         losses.append(loss)
-        event = {
-            "kind": "step",
-            "step": step,
-            "tokens": (step + 1) * tokens_per_step,
-            "loss": loss,
-            "lr": method.lr,
-            "compute_s": computed - started,
-            "step_s": ended - started,
-        }
-        if cfg.data_shift:
-            event["data_phase"] = data_phase(step, cfg.data_shift)
-        if report is not None:
-            event.update(_sync_fields(report))
+        event = _step_event(cfg, method, step, loss, tokens_per_step, computed - started, ended - started, report)
         if read_wire_bytes:
             event["wire_bytes"] = read_wire_bytes() - wire_start
         log(event)
@@ -210,6 +214,7 @@ def train(
             evaluate(step + 1)
         if step + 1 < cfg.steps:
             saver.maybe_save(step + 1, losses, lambda: read_wire_bytes() - wire_start if read_wire_bytes else 0)
+        step += 1
     window_end = time.perf_counter()
     dist.barrier()
     wire_bytes = read_wire_bytes() - wire_start if read_wire_bytes else None
@@ -220,6 +225,77 @@ def train(
         result["resumed_at_step"] = progress.start_step
     log({"kind": "end", **result})
     return result
+
+
+def _step_event(
+    cfg: TrainConfig,
+    method: Any,
+    step: int,
+    loss: float,
+    tokens_per_step: int,
+    compute_s: float,
+    step_s: float,
+    report: Any,
+) -> dict[str, Any]:
+    event = {
+        "kind": "step",
+        "step": step,
+        "tokens": (step + 1) * tokens_per_step,
+        "loss": loss,
+        "lr": method.lr,
+        "compute_s": compute_s,
+        "step_s": step_s,
+    }
+    if cfg.data_shift:
+        event["data_phase"] = data_phase(step, cfg.data_shift)
+    if report is not None:
+        event.update(_sync_fields(report))
+    return event
+
+
+class _Rounds:
+    """The train loop's side of fault tolerance (trainers/fault_tolerance.py): a round starts after every exchange
+    (every step for AllReduce, every H steps for a DiLoCo round), with a quorum from a snapshot of this rank's
+    state; a heal puts the rank at its peer's round; a round whose exchange did not commit (a replica failed in it)
+    is trained again from the snapshot, its events left in the log and a `discarded` event saying which steps.
+
+    The snapshot is what a rejoining peer fetches, so it is a copy: the cost of fault tolerance here is one copy of
+    the model and the method's state per round, besides the quorum's round trip to the lighthouse.
+    """
+
+    def __init__(self, group: ManagedGroup, setup: _Setup, log: EventLog):
+        self.group, self.setup, self.log = group, setup, log
+        self.starting = True
+        self.snapshot: dict[str, Any] = {}
+        self._losses_kept = 0
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.setup.stage.module.load_state_dict(state["model"])
+        self.setup.method.load_state_dict(state["method"])
+        self.setup.batches = self.setup.batches_from(state["step"])
+
+    def begin(self, step: int, losses: list[float]) -> int:
+        """Start the round at `step`; the step to train (a peer's, after a heal)."""
+        self.snapshot = copy.deepcopy(
+            {"step": step, "model": self.setup.stage.module.state_dict(), "method": self.setup.method.state_dict()}
+        )
+        self._losses_kept = len(losses)
+        self.starting = False
+        healed = self.group.quorum(self.snapshot, self._load)
+        if healed is None:
+            return step
+        self.snapshot = healed
+        return healed["step"]
+
+    def commit(self, step: int, losses: list[float]) -> bool:
+        """Whether the round that ends with `step` stands; if not, the rank is back at its start."""
+        self.starting = True
+        if self.group.commit():
+            return True
+        self._load(self.snapshot)
+        del losses[self._losses_kept :]
+        self.log({"kind": "discarded", "from_step": self.snapshot["step"], "to_step": step + 1})
+        return False
 
 
 def _resume(
@@ -233,8 +309,7 @@ def _resume(
     setup.stage.module.load_state_dict(state["model"])
     setup.method.load_state_dict(state["method"])
     torch.set_rng_state(state["rng"])
-    # The batches of the steps already trained, drawn and dropped: the stream is a function of (seed, replica).
-    next(itertools.islice(setup.batches, step, step), None)
+    setup.batches = setup.batches_from(step)
     evaluate.val_loss = state["val_loss"]
     log({"kind": "resume", "step": step})
     return _Progress(step, list(state["losses"]), state["wire_bytes"])

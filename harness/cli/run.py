@@ -463,6 +463,7 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f", restored after {fault['restored_t'] - fault['injected_t']:.1f} s" if "restored_t" in fault else ""
         )
         rows.append(("fault", f"{fault['fault']} injected at step {fault['injected_at_step']}{restored}"))
+    rows += _fault_tolerance_rows(summary)
     if summary.get("link_busbw_bps"):
         rows.append(
             (
@@ -471,6 +472,35 @@ def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{format_rate(summary['link_rate_bps'])} configured",
             )
         )
+    return rows
+
+
+def _fault_tolerance_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Under fault tolerance: each heal, the rounds trained again, goodput."""
+    if not summary.get("fault_tolerance"):
+        return []
+    rows = []
+    for heal in summary["heals"]:
+        if heal["healed_to_step"] is None:
+            rows.append(("heal", f"rank {heal['rank']} killed at step {heal['killed_at_step']}: not healed"))
+            continue
+        rows.append(
+            (
+                "heal",
+                f"rank {heal['rank']} killed at step {heal['killed_at_step']}: down {heal['down_s']:.1f} s, healed "
+                f"{heal['heal_s']:.1f} s after its restart to step {heal['healed_to_step']}, "
+                f"{heal['heal_received_bytes']:,} bytes received for a {heal['heal_state_bytes']:,}-byte state",
+            )
+        )
+    applied = summary.get("ft_applied_fraction")
+    rows.append(
+        (
+            "goodput",
+            (f"{summary['goodput_tokens_per_s']:,.0f} tokens/s over the wall time" if applied is not None else "-")
+            + (f" ({applied:.1%} of the replicas' steps applied)" if applied is not None else "")
+            + f"; {summary['rounds_discarded']} round(s) discarded ({summary['steps_discarded']} steps trained again)",
+        )
+    )
     return rows
 
 

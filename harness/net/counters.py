@@ -23,7 +23,8 @@ def received_bytes(ip: IPRoute, indexes: list[int]) -> int:
 
 
 class LinkCounter:
-    """Bytes this namespace has sent on its uplink; read by the worker inside the cluster's namespace."""
+    """Bytes this namespace has sent (and received) on its uplink; read by the worker inside the cluster's
+    namespace."""
 
     def __init__(self, ifname: str):
         self.ifname = ifname
@@ -31,6 +32,9 @@ class LinkCounter:
 
     def tx_bytes(self) -> int:
         return interface_counters(self._ip, self.ifname)[0]
+
+    def rx_bytes(self) -> int:
+        return interface_counters(self._ip, self.ifname)[1]
 
     def close(self) -> None:
         self._ip.close()

@@ -24,6 +24,7 @@ from harness.net.profiles import check_shapeable, load_profile
 from harness.net.topology import Topology
 from harness.net.trace import replays_rate
 from harness.process import run_interruptibly
+from harness.run.fault_tolerance import FaultTolerance, check_fault_tolerance
 from harness.run.faults import Fault, check_faults, parse_fault
 from harness.run.inputs import absolute_paths, input_record
 from harness.run.memory import (
@@ -126,6 +127,8 @@ class RunConfig:
     # `harness run --resume` continues the run bit for bit (trainers/checkpoint.py); methods with communication
     # in flight save at the first step after that where none is.
     checkpoint_every: int = 0
+    # How the run survives failures (harness/run/fault_tolerance.py): off, or torchft replicas that restart and heal.
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     # How long a rank waits in one collective before giving up (gloo/NCCL's timeout); the harness's watchdog fails
     # a run whose ranks log nothing for max(this, 10 x the slowest step so far). HARNESS_TIMEOUT_S sets the default.
     collective_timeout_s: float = field(default_factory=lambda: default_collective_timeout_s())
@@ -179,6 +182,7 @@ class RunConfig:
         self._check_trace()
         self._check_scalar_writers()
         self._check_checkpoints()
+        self._check_fault_tolerance()
         if (self.mode == "calibrate" or self.calibrate) and self.clusters < 2:
             raise UserError("calibration measures the link between clusters; use --clusters 2 or more")
         ranks_share_memory = capabilities(self.backend).ranks_share_host_cpus
@@ -308,6 +312,23 @@ class RunConfig:
                 "package with a harness.methods entry point"
             )
 
+    def _check_fault_tolerance(self) -> None:
+        kills = [f.step for f in self.parsed_faults() if f.kind == "kill"]
+        check_fault_tolerance(
+            self.fault_tolerance,
+            self.method,
+            self.clusters,
+            self.stages,
+            self.backend,
+            {step: kills.count(step) for step in kills},
+            self.checkpoint_every,
+        )
+        if (self.mode == "calibrate" or self.calibrate) and self.fault_tolerance.enabled:
+            raise UserError(
+                "calibration measures the link with a plain all-reduce, which fault tolerance does not run; calibrate "
+                "without fault tolerance (the link is the same)"
+            )
+
     def _check_trace(self) -> None:
         """A replayed trace (harness/net/trace.py) needs links that change under a live run, and sets the rate alone."""
         if self.profile.trace is None:
@@ -434,6 +455,10 @@ class RunConfig:
         wandb: bool = False,
         checkpoint_every: int = 0,
         collective_timeout_s: float | None = None,
+        fault_tolerance: str = "none",
+        min_replicas: int | None = None,
+        restart_delay_s: float | None = None,
+        replica_timeout_s: float | None = None,
         **settings: Any,
     ) -> RunConfig:
         """A run from flat settings, as the CLI and sweeps have them.
@@ -464,6 +489,18 @@ class RunConfig:
             tensorboard=tensorboard,
             wandb=wandb,
             checkpoint_every=checkpoint_every,
+            fault_tolerance=FaultTolerance(
+                fault_tolerance,
+                **{
+                    k: v
+                    for k, v in (
+                        ("min_replicas", min_replicas),
+                        ("restart_delay_s", restart_delay_s),
+                        ("replica_timeout_s", replica_timeout_s),
+                    )
+                    if v is not None
+                },
+            ),
             **({} if collective_timeout_s is None else {"collective_timeout_s": collective_timeout_s}),
         )
 
@@ -475,6 +512,7 @@ class RunConfig:
         optim = train.pop("optim")
         optim["betas"] = tuple(optim["betas"])
         data["faults"] = tuple(data.get("faults", ()))
+        data["fault_tolerance"] = FaultTolerance(**data.get("fault_tolerance", {}))
         data.pop("inputs", None)
         # What the user gave is the config's input; a config.json older than method_options_given holds only that.
         data["method_options"] = data.pop("method_options_given", data.get("method_options", {}))

@@ -7,6 +7,7 @@ on SIGTERM, and the results folder is finalized with status "ok" or "failed" eit
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
@@ -28,6 +29,7 @@ from harness.net.topology import Topology
 from harness.net.trace import replays_delay
 from harness.run.config import RunConfig
 from harness.run.events import EventTail
+from harness.run.fault_tolerance import LighthouseExited, Tolerance
 from harness.run.faults import FaultInjector
 from harness.run.folder import DEFAULT_RUNS_DIR, RunFolder, RunPaths, UnreadableResults, read_events
 from harness.run.host_cpu import HostCpuMeter
@@ -262,6 +264,7 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
     failure: str | None = None
     record: dict[str, Any] = {"link_emulator": emulator, "faults": []}
     injector: FaultInjector | None = None
+    tolerance: Tolerance | None = None
     replay: TraceReplay | None = None
     qdiscs: list[dict] = []
     live: LiveScalars | None = None
@@ -286,27 +289,29 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
                     signals.check()
             qdiscs = cluster.kernel_qdiscs()
             wire = _WireMeter(cluster)
+            if config.fault_tolerance.enabled:
+                tolerance = Tolerance(config, cluster, functools.partial(_start_rank, cluster, topology, paths), paths)
+                record["restarts"] = tolerance.restarts.records
             _spawn_ranks(cluster, topology, paths, procs)
             if config.profile.trace is not None:
                 replay = TraceReplay(cluster, run_dir, emulator)
                 replay.start()
-            injector = FaultInjector(config.parsed_faults(), cluster, lambda rank: procs[rank].kill(), paths.faults)
+            kill = functools.partial(tolerance.kill, procs) if tolerance else lambda rank: procs[rank].kill()
+            injector = FaultInjector(config.parsed_faults(), cluster, kill, paths.faults)
             record["faults"] = injector.records
-            on_poll = live.poll if live else None
-            failure = _watch(procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll, on_poll)
-            killed = [r["rank"] for r in injector.records if r["fault"] == "kill"]
-            if failure and killed:
-                failure += f" (--fault kill injected on rank {', '.join(map(str, killed))})"
-            # Every rank waits on a dead link alike, so the watchdog's blame says nothing; the outage does.
-            outage = injector.outage_note(config.collective_timeout_s) if failure else None
-            if outage:
-                failure += f" ({outage})"
+            live_poll = live.poll if live else None
+            on_poll = functools.partial(tolerance.poll, procs, live_poll) if tolerance else live_poll
+            expected = tolerance.restarts.expected if tolerance else lambda rank: False
+            failure = _watch(
+                procs, topology, run_dir, config, wire, on_progress, signals.check, injector.poll, on_poll, expected
+            )
+            failure = _with_injected_faults(failure, injector, config.collective_timeout_s)
             if failure is None:
                 record["wire_bytes_run"] = wire.total()
         except Interrupted as sig:
             signals.tearing_down = True
             failure = f"interrupted by {sig} during the run"
-        except (BackendVanished, LinkCheckFailed) as err:
+        except (BackendVanished, LinkCheckFailed, LighthouseExited) as err:
             failure = str(err)
         except Exception as err:
             failure = f"harness error: {type(err).__name__}: {err}"
@@ -315,10 +320,22 @@ def _run(checked: CheckedRun, on_progress: Callable[[dict[str, Any]], None] | No
             signals.tearing_down = True
             record["interrupted_by"] = signals.received[0] if signals.received else None
             summary, final = _teardown(
-                config, folder, cluster, procs, failure, record, qdiscs, injector, replay, live, host_cpu
+                config, folder, cluster, procs, failure, record, qdiscs, injector, replay, live, host_cpu, tolerance
             )
     summary["results_dir"] = str(final)
     return summary
+
+
+def _with_injected_faults(failure: str | None, injector: FaultInjector, timeout_s: float) -> str | None:
+    """A failure with the injected faults that may explain it: a killed rank, an outage."""
+    if failure is None:
+        return None
+    killed = [r["rank"] for r in injector.records if r["fault"] == "kill"]
+    if killed:
+        failure += f" (--fault kill injected on rank {', '.join(map(str, killed))})"
+    # Every rank waits on a dead link alike, so the watchdog's blame says nothing; the outage does.
+    outage = injector.outage_note(timeout_s)
+    return f"{failure} ({outage})" if outage else failure
 
 
 def _rewound(paths: RunPaths, step: int) -> dict[str, Any]:
@@ -334,15 +351,24 @@ def _rewound(paths: RunPaths, step: int) -> dict[str, Any]:
 def _spawn_ranks(cluster: ClusterBackend, topology: Topology, paths: RunPaths, procs: dict[int, Worker]) -> None:
     """One worker per rank, each added to `procs` as it starts (teardown stops those that did, if one fails)."""
     for rank in range(topology.world_size):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(topology.world_size),
-            "MASTER_ADDR": topology.master_address,
-            "MASTER_PORT": str(MASTER_PORT),
-            "PYTHONUNBUFFERED": "1",
-        }
-        argv = [sys.executable, "-m", "harness.run.worker", "--run-dir", str(paths.root)]
-        procs[rank] = cluster.spawn(rank, argv, env, paths.log(rank))
+        procs[rank] = _start_rank(cluster, topology, paths, rank)
+
+
+def _start_rank(
+    cluster: ClusterBackend, topology: Topology, paths: RunPaths, rank: int, incarnation: int = 0
+) -> Worker:
+    """Start rank `rank`'s worker; `incarnation` > 0: its restart under fault tolerance, logged on its own."""
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(topology.world_size),
+        "MASTER_ADDR": topology.master_address,
+        "MASTER_PORT": str(MASTER_PORT),
+        "PYTHONUNBUFFERED": "1",
+        "HARNESS_INCARNATION": str(incarnation),
+    }
+    argv = [sys.executable, "-m", "harness.run.worker", "--run-dir", str(paths.root)]
+    log = paths.log(rank) if incarnation == 0 else paths.logs_dir / f"rank{rank}.restart{incarnation}.log"
+    return cluster.spawn(rank, argv, env, log)
 
 
 def _teardown(
@@ -357,10 +383,13 @@ def _teardown(
     replay: TraceReplay | None = None,
     live: LiveScalars | None = None,
     host_cpu: HostCpuMeter | None = None,
+    tolerance: Tolerance | None = None,
 ) -> tuple[dict[str, Any], Path]:
     """Stop the workers, remove the cluster, write the summary: each step runs even when one before it failed."""
     teardown_errors = []
     steps = [("stopping the workers", lambda: _stop(procs)), ("removing the cluster", cluster.down)]
+    if tolerance is not None:
+        steps.insert(1, ("stopping the lighthouse", tolerance.stop))
     if injector is not None:
         steps.insert(1, ("ending an injected outage", injector.restore))
     if replay is not None:
@@ -450,6 +479,7 @@ def _watch(
     check_signals: Callable[[], None],
     inject_faults: Callable[[int], None] = lambda steps_done: None,
     on_poll: Callable[[], None] | None = None,
+    expected_exit: Callable[[int], bool] = lambda rank: False,
 ) -> str | None:
     """Wait for every rank; a rank that fails fails the run (the others would hang in collectives), and so does a
     run that makes no progress (the watchdog) or whose cluster disappears. `inject_faults` gets rank 0's completed
@@ -464,8 +494,8 @@ def _watch(
     stopped_since: dict[int, float] = {}
     while True:
         check_signals()
-        if any(p.poll() not in (None, 0) for p in procs.values()):
-            return _first_failure(procs, topology, run_dir)
+        if any(p.poll() not in (None, 0) and not expected_exit(rank) for rank, p in procs.items()):
+            return _first_failure({r: p for r, p in procs.items() if not expected_exit(r)}, topology, run_dir)
         if all(p.poll() == 0 for p in procs.values()):
             return None
         time.sleep(POLL_S)

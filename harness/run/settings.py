@@ -36,7 +36,9 @@ TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"opti
 # How a run is kept, not what it trains: a sweep's or compare's runs checkpoint with --set checkpoint_every=N, so an
 # interrupted one resumes inside itself (harness/analysis/experiments/sweep.py).
 KEEPING_KEYS = frozenset({"checkpoint_every"})
-RUN_KEYS = CLUSTER_KEYS | TRAIN_KEYS | KEEPING_KEYS
+# Fault tolerance, `--set fault_tolerance=torchft`, and its settings (harness/run/fault_tolerance.py documents them).
+FAULT_TOLERANCE_KEYS = frozenset({"fault_tolerance", "min_replicas", "restart_delay_s", "replica_timeout_s"})
+RUN_KEYS = CLUSTER_KEYS | TRAIN_KEYS | KEEPING_KEYS | FAULT_TOLERANCE_KEYS
 SET_METAVAR = "[METHOD.]KEY=VALUE"
 
 
@@ -226,6 +228,7 @@ RECORD_ONLY_KEYS = frozenset(
 )
 FILE_RUN_KEYS = (
     "clusters", "stages", "backend", "gpus", "link_emulator", "faults", "tensorboard", "wandb", "checkpoint_every",
+    "fault_tolerance",
 )  # fmt: skip
 
 
@@ -275,6 +278,11 @@ def settings_from_file(path: Any) -> FileSettings:
     settings = {k: data[k] for k in FILE_RUN_KEYS if k in data}
     if "faults" in settings:
         settings["faults"] = tuple(settings["faults"])
+    if isinstance(settings.get("fault_tolerance"), dict):
+        # A config.json records FaultTolerance whole; RunConfig.build takes its fields flat, as the CLI gives them.
+        recorded = settings.pop("fault_tolerance")
+        settings["fault_tolerance"] = recorded.pop("engine", "none")
+        settings.update(recorded)
     train = dict(data.get("train") or {})
     optim = dict(train.pop("optim", None) or {})
     if "lr" in optim:

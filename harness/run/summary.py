@@ -21,6 +21,7 @@ from harness.net.delayline import delay_line_log_name, read_counters
 from harness.net.link import default_burst_bytes
 from harness.net.trace import max_rate_bps
 from harness.run.config import RunConfig
+from harness.run.fault_tolerance import summarize_fault_tolerance
 from harness.run.folder import RunPaths, UnreadableResults, read_events, read_link_trace, read_rank_result
 from harness.run.linktrace import summarize_link_trace
 from trainers.models import count_parameters
@@ -132,7 +133,10 @@ class _Records:
 
     @property
     def steps(self) -> list[dict[str, Any]]:
-        return [e for e in self.events[0] if e["kind"] == "step"]
+        """Rank 0's steps, each once: under fault tolerance a discarded round's steps are trained (and logged)
+        again, and the later event is the one that stands."""
+        last = {e["step"]: e for e in self.events[0] if e["kind"] == "step"}
+        return [last[step] for step in sorted(last)]
 
     @property
     def syncs(self) -> list[dict[str, Any]]:
@@ -329,9 +333,11 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
     status = "ok" if failure is None and len(records.ranks) == world else "failed"
     if status == "failed" and failure is None:
         failure = f"only {len(records.ranks)} of {world} ranks reported results"
+    throughput = _throughput(records)
     return {
         **_identity(config, status, failure),
-        **_throughput(records),
+        **throughput,
+        **summarize_fault_tolerance(config, records.events, backend_record, throughput["wall_s"]),
         **_link(records),
         **_link_loss(config, run_dir),
         **_communication(records),

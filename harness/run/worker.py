@@ -25,8 +25,10 @@ from harness.net.topology import Topology
 from harness.process import set_parent_death_signal
 from harness.run.config import RunConfig
 from harness.run.events import EventWriter
+from harness.run.fault_tolerance import group_ports, lighthouse_url
 from harness.run.folder import RunPaths, write_rank_result
 from trainers.comm import allreduce_payload_bytes
+from trainers.fault_tolerance import ManagedGroup
 from trainers.train import Checkpointing, ParallelContext, train
 
 
@@ -74,6 +76,55 @@ def build_groups(topology: Topology, rank: int, device: torch.device) -> Paralle
         stages=topology.stages,
         pipeline_group=pipeline_group,
         data_parallel_group=data_parallel_group,
+        device=device,
+    )
+
+
+def join_replica_group(
+    config: RunConfig,
+    topology: Topology,
+    rank: int,
+    device: torch.device,
+    backend: str,
+    log: EventWriter,
+    counter: LinkCounter | None,
+) -> ParallelContext:
+    """Under fault tolerance (harness/run/fault_tolerance.py): this cluster's own process group, and torchft's
+    Manager as the data-parallel group across clusters, advertised at the cluster's address so that quorum, exchange
+    and heal all cross the shaped link. A restarted rank (HARNESS_INCARNATION > 0) listens on fresh ports."""
+    cluster = topology.cluster_of(rank)
+    incarnation = int(os.environ.get("HARNESS_INCARNATION", "0"))
+    group_port, store_port, manager_port = group_ports(incarnation)
+    address = topology.cluster_address(cluster)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{group_port}",
+        rank=topology.stage_of(rank),
+        world_size=topology.stages,
+        timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+    )
+    managed = ManagedGroup(
+        replica=cluster,
+        address=address,
+        lighthouse=lighthouse_url(topology.cluster_address(0)),
+        store_port=store_port,
+        manager_port=manager_port,
+        min_replicas=config.fault_tolerance.min_replicas,
+        timeout_s=config.fault_tolerance.replica_timeout_s,
+        # A rejoining replica waits for the others' next round: as long as a collective may take.
+        quorum_timeout_s=config.collective_timeout_s,
+        log=log,
+        received_bytes=counter.rx_bytes if counter else None,
+        rejoining=incarnation > 0,
+    )
+    return ParallelContext(
+        rank=rank,
+        cluster=cluster,
+        clusters=topology.clusters,
+        stage=topology.stage_of(rank),
+        stages=topology.stages,
+        pipeline_group=None,
+        data_parallel_group=managed,
         device=device,
     )
 
@@ -144,18 +195,21 @@ def main() -> int:
     torch.set_num_threads(config.train.threads_per_rank or max(1, (os.cpu_count() or 1) // world_size))
     try:
         device, backend = device_and_backend(rank, world_size)
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
-        )
-        par = build_groups(topology, rank, device)
+        counter = None
+        if topology.stage_of(rank) == 0 and os.environ.get("HARNESS_UPLINK"):
+            counter = LinkCounter(os.environ["HARNESS_UPLINK"])
+        if config.fault_tolerance.enabled:
+            par = join_replica_group(config, topology, rank, device, backend, writer, counter)
+        else:
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+            )
+            par = build_groups(topology, rank, device)
         if os.environ.get("HARNESS_FAULT"):
             log = _with_fault(log, rank, os.environ["HARNESS_FAULT"])
-        counter = None
-        if par.stage == 0 and os.environ.get("HARNESS_UPLINK"):
-            counter = LinkCounter(os.environ["HARNESS_UPLINK"])
         result: dict = {"device": str(device), "dist_backend": backend}
         # Under `harness calibrate` the TCP counters are the ring all-reduce's; in training, the training's alone.
         tcp_before = tcp_counters() if counter else None
@@ -186,6 +240,8 @@ def main() -> int:
             result["tcp_out_segments"] = tcp_after["OutSegs"] - tcp_before["OutSegs"]
             result["tcp_retransmitted_segments"] = tcp_after["RetransSegs"] - tcp_before["RetransSegs"]
         write_rank_result(args.run_dir, rank, result)
+        if isinstance(par.data_parallel_group, ManagedGroup):
+            par.data_parallel_group.shutdown()
         dist.destroy_process_group()
         return 0
     except Exception as err:

@@ -20,8 +20,9 @@ def link_names() -> set[str]:
 
 
 def worker_pids(run_dir: str) -> list[int]:
-    """PIDs of the workers of exactly one run: `python -m harness.run.worker --run-dir RUN_DIR`, matched argument by
-    argument, so a test never touches another run's processes."""
+    """PIDs of the processes of exactly one run: `python -m harness.run.worker --run-dir RUN_DIR` (and its torchft
+    lighthouse, `harness.run.fault_tolerance`), matched argument by argument, so a test never touches another run's
+    processes."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -30,7 +31,8 @@ def worker_pids(run_dir: str) -> list[int]:
             argv = (entry / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if "harness.run.worker" in argv and "--run-dir" in argv and run_dir in argv:
+        run_module = "harness.run.worker" in argv or "harness.run.fault_tolerance" in argv
+        if run_module and "--run-dir" in argv and run_dir in argv:
             found.append(int(entry.name))
     return found
 

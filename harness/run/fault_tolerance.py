@@ -1,0 +1,330 @@
+"""Failures that heal: `--set fault_tolerance=torchft`, the harness's side (trainers/fault_tolerance.py: the ranks').
+
+Each cluster is a torchft replica group. The harness runs torchft's lighthouse (quorum) as a process of its own in
+cluster 0's namespace, so the other clusters' quorum traffic crosses the shaped link as their training does; a
+rank killed by `--fault kill:STEP:RANK` is started again after `restart_delay_s`, rejoins the quorum at the others'
+next round and heals from a live peer over the link while the others train on (as long as `min_replicas` remain).
+A failure nobody injected still fails the run: fault tolerance is for the failures under study, not a way to hide
+a bug.
+
+What this covers today: methods whose exchange is one all-reduce over the replicas (allreduce as FT-DDP,
+opendiloco), one stage per cluster, the netns backend. DiLoCoX's gather and reduce, the compressed methods'
+exchanges and pipeline stages are not carried yet (refused before the run, `check_fault_tolerance`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from harness.errors import UserError
+from harness.process import set_parent_death_signal
+
+ENGINES = ("none", "torchft")
+METHODS = ("allreduce", "opendiloco")
+# Cluster 0's namespace: the lighthouse's port. Each cluster's replica group listens on its own ports from
+# GROUP_PORT_BASE; a restarted replica takes the next block (the dead one's sockets may linger in TIME_WAIT).
+LIGHTHOUSE_PORT = 29510
+GROUP_PORT_BASE = 29520
+PORTS_PER_GROUP = 3
+# How long the lighthouse gets to exit before SIGKILL.
+STOP_GRACE_S = 3.0
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """How a run survives failures; `--set fault_tolerance=ENGINE`, and `--set min_replicas=N` / `restart_delay_s=S`."""
+
+    engine: Literal["none", "torchft"] = field(
+        default="none",
+        metadata={"help": "none: a failed rank fails the run; torchft: replicas fail, restart and heal."},
+    )
+    min_replicas: int = field(
+        default=1,
+        metadata={"help": "The fewest replicas a round may train with; with fewer, the others wait for a quorum."},
+    )
+    restart_delay_s: float = field(
+        default=2.0,
+        metadata={"help": "How long a killed replica stays down before the harness starts it again (seconds)."},
+    )
+
+    replica_timeout_s: float = field(
+        default=60.0,
+        metadata={
+            "help": "How long a replica's exchange, commit or heal may take before it counts as failed (seconds). "
+            "A peer killed mid-exchange does not always close its connection, and then the survivors wait this long "
+            "before they discard the round; a heal moves the whole state across the link and must fit in it too."
+        },
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine != "none"
+
+
+def lighthouse_url(address: str) -> str:
+    return f"http://{address}:{LIGHTHOUSE_PORT}"
+
+
+def group_ports(incarnation: int) -> tuple[int, int, int]:
+    """(replica group's process group, its torchft store, its Manager) for a replica's `incarnation`-th start."""
+    base = GROUP_PORT_BASE + PORTS_PER_GROUP * incarnation
+    return base, base + 1, base + 2
+
+
+class FaultToleranceError(UserError):
+    """A fault-tolerance setting this run cannot honour; the message names the fix."""
+
+
+def check_fault_tolerance(
+    ft: FaultTolerance,
+    method: str,
+    clusters: int,
+    stages: int,
+    backend: str,
+    kills_by_step: dict[int, int],
+    checkpoint_every: int,
+) -> None:
+    """Everything fault tolerance needs, checked before the host is touched; `kills_by_step`: how many ranks the
+    run's kill faults take down at each step."""
+    if ft.engine not in ENGINES:
+        raise FaultToleranceError(
+            f"--set fault_tolerance={ft.engine} names no fault tolerance; use one of {', '.join(ENGINES)}"
+        )
+    if not ft.enabled:
+        for name in ("min_replicas", "restart_delay_s", "replica_timeout_s"):
+            if getattr(ft, name) != getattr(FaultTolerance(), name):
+                raise FaultToleranceError(
+                    f"--set {name} is a setting of fault tolerance, which this run does not use; add "
+                    "--set fault_tolerance=torchft or drop it"
+                )
+        return
+    from trainers.fault_tolerance import torchft_missing
+
+    missing = torchft_missing()
+    if missing:
+        raise FaultToleranceError(missing)
+    if method not in METHODS:
+        raise FaultToleranceError(
+            f"fault tolerance carries methods whose exchange is one all-reduce ({', '.join(METHODS)}), not "
+            f"{method} (its exchange does not run on torchft's reconfigurable group yet); use one of those"
+        )
+    if stages != 1 or backend != "netns" or clusters < 2:
+        raise FaultToleranceError(
+            "fault tolerance runs one stage per cluster, on the netns backend, with at least 2 clusters (replicas "
+            f"to fail over to); this run has {stages} stage(s), {clusters} cluster(s), backend {backend}"
+        )
+    if not 1 <= ft.min_replicas <= clusters:
+        raise FaultToleranceError(
+            f"--set min_replicas={ft.min_replicas} must be between 1 and the run's {clusters} clusters"
+        )
+    if not 0 <= ft.restart_delay_s <= 3600:
+        raise FaultToleranceError(f"--set restart_delay_s={ft.restart_delay_s:g} must be between 0 and 3600 seconds")
+    if not 0 < ft.replica_timeout_s <= 86400:
+        raise FaultToleranceError(
+            f"--set replica_timeout_s={ft.replica_timeout_s:g} must be a positive number of seconds (at most a day)"
+        )
+    for step, killed in sorted(kills_by_step.items()):
+        if clusters - killed < ft.min_replicas:
+            raise FaultToleranceError(
+                f"--fault kill at step {step} takes down {killed} of {clusters} replicas, leaving fewer than "
+                f"min_replicas={ft.min_replicas} to train on; kill fewer at once or lower min_replicas"
+            )
+    if checkpoint_every:
+        raise FaultToleranceError(
+            "fault tolerance heals a failed replica from a live peer and does not write checkpoints yet; drop "
+            "--set checkpoint_every"
+        )
+
+
+class Restarts:
+    """The runner's side of healing: a rank the run killed on purpose is started again `delay_s` later.
+
+    `start(rank, incarnation)` starts a rank's worker (incarnation 1 for its first restart, and so on). Each
+    restart is logged as a `fault` event in events/faults.jsonl and kept in `records` (summary.json's `restarts`):
+    {rank, killed_t, restarted_t, incarnation}.
+    """
+
+    def __init__(self, delay_s: float, start: Callable[[int, int], Any], log_path: Path):
+        self.delay_s, self.start, self.log_path = delay_s, start, log_path
+        self.due: dict[int, float] = {}
+        self.records: list[dict[str, Any]] = []
+
+    def killed(self, rank: int) -> None:
+        """`rank` was killed just now: start it again once the delay is over."""
+        self.due[rank] = time.monotonic() + self.delay_s
+        incarnation = 1 + sum(r["rank"] == rank for r in self.records)
+        self.records.append({"rank": rank, "killed_t": time.time(), "incarnation": incarnation})
+
+    def expected(self, rank: int) -> bool:
+        """Whether `rank` is down on purpose (its exit is not a failure)."""
+        return rank in self.due
+
+    def poll(self, procs: dict[int, Any]) -> None:
+        """Start the ranks whose delay is over, in `procs`."""
+        now = time.monotonic()
+        for rank in [r for r, due in self.due.items() if now >= due]:
+            record = next(r for r in reversed(self.records) if r["rank"] == rank)
+            procs[rank].wait()
+            procs[rank] = self.start(rank, record["incarnation"])
+            record["restarted_t"] = time.time()
+            del self.due[rank]
+            with self.log_path.open("a") as log:
+                log.write(json.dumps({"t": record["restarted_t"], "kind": "fault", "event": "restarted", **record}))
+                log.write("\n")
+
+
+class LighthouseExited(Exception):
+    """The lighthouse stopped under the run; the message says how."""
+
+
+class Tolerance:
+    """A run's torchft side in the runner: the lighthouse, a process in cluster 0's namespace, and the restarts of
+    killed ranks. `start_rank(rank, incarnation)` starts a rank's worker; `paths` is the run folder's RunPaths."""
+
+    def __init__(self, config: Any, cluster: Any, start_rank: Callable[[int, int], Any], paths: Any):
+        argv = [
+            sys.executable,
+            "-m",
+            "harness.run.fault_tolerance",
+            "--min-replicas",
+            str(config.fault_tolerance.min_replicas),
+            "--join-timeout-s",
+            str(config.collective_timeout_s),
+            "--run-dir",
+            str(paths.root),
+        ]
+        self.log_path = paths.logs_dir / "lighthouse.log"
+        self.lighthouse = cluster.spawn(0, argv, {"PYTHONUNBUFFERED": "1"}, self.log_path)
+        self.restarts = Restarts(config.fault_tolerance.restart_delay_s, start_rank, paths.faults)
+
+    def kill(self, procs: dict[int, Any], rank: int) -> None:
+        """Kill `rank` (a --fault kill) and have it started again after the delay."""
+        procs[rank].kill()
+        self.restarts.killed(rank)
+
+    def poll(self, procs: dict[int, Any], then: Callable[[], None] | None = None) -> None:
+        """Restart what is due; a lighthouse that exited ends the run (no quorum can form without it). `then`: what
+        else the runner polls (the live scalar writers)."""
+        self.restarts.poll(procs)
+        if then is not None:
+            then()
+        code = self.lighthouse.poll()
+        if code is not None:
+            raise LighthouseExited(f"the torchft lighthouse exited with code {code}; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.lighthouse.poll() is None:
+            self.lighthouse.terminate()
+        try:
+            self.lighthouse.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.lighthouse.kill()
+            self.lighthouse.wait()
+
+
+def _heal(restart: dict[str, Any], events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """One failure, killed to healed, from the runner's restart record and the restarted rank's events."""
+    restarted_t = restart.get("restarted_t")
+    healed = next(
+        (
+            e
+            for e in events
+            if e["kind"] == "quorum" and "healed_to_step" in e and restarted_t is not None and e["t"] >= restarted_t
+        ),
+        None,
+    )
+    kills = [f for f in faults if f["fault"] == "kill" and f["rank"] == restart["rank"]]
+    killed_at = max((f for f in kills if f["injected_t"] <= restart["killed_t"]), key=lambda f: f["injected_t"])
+    return {
+        "rank": restart["rank"],
+        "incarnation": restart["incarnation"],
+        "killed_at_step": killed_at["injected_at_step"],
+        "down_s": restarted_t - restart["killed_t"] if restarted_t is not None else None,
+        # From the restart to the heal applied: the worker's start, its wait for the others' next round, the fetch.
+        "heal_s": healed["t"] - restarted_t if healed else None,
+        "healed_to_step": healed["healed_to_step"] if healed else None,
+        "heal_state_bytes": healed["heal_state_bytes"] if healed else None,
+        "heal_received_bytes": healed["heal_received_bytes"] if healed else None,
+    }
+
+
+def _applied_tokens(events: list[dict[str, Any]], steps: int, tokens_per_replica_step: int) -> int:
+    """Tokens in the final model, from a rank that lived through the run: each committed round's steps times the
+    replicas in its quorum (a discarded round is followed by a quorum at its own start step: zero steps)."""
+    quorums = sorted((e for e in events if e["kind"] == "quorum"), key=lambda e: e["t"])
+    ends = [q["step"] for q in quorums[1:]] + [steps] if quorums else []
+    return sum(q["participants"] * (end - q["step"]) for q, end in zip(quorums, ends, strict=True)) * (
+        tokens_per_replica_step
+    )
+
+
+def summarize_fault_tolerance(
+    config: Any, events: dict[int, list[dict[str, Any]]], record: dict[str, Any], wall_s: float | None
+) -> dict[str, Any]:
+    """summary.json's fault-tolerance figures: each failure's downtime, time and bytes to heal, the rounds
+    discarded, and goodput (tokens in the final model over the whole wall time of a rank that never failed)."""
+    if not config.fault_tolerance.enabled:
+        return {}
+    restarts = record.get("restarts") or []
+    faults = record.get("faults") or []
+    heals = [_heal(r, events.get(r["rank"], []), faults) for r in restarts]
+    discarded = [e for rank_events in events.values() for e in rank_events if e["kind"] == "discarded"]
+    survivors = [rank for rank in sorted(events) if rank not in {r["rank"] for r in restarts}]
+    start = next((e for e in events.get(survivors[0], []) if e["kind"] == "start"), None) if survivors else None
+    per_replica_step = start["tokens_per_step"] // config.clusters if start else None
+    applied = _applied_tokens(events[survivors[0]], config.train.steps, per_replica_step) if start else None
+    return {
+        "fault_tolerance": config.fault_tolerance.engine,
+        "heals": heals,
+        "rounds_discarded": len(discarded),
+        "steps_discarded": sum(e["to_step"] - e["from_step"] for e in discarded),
+        "ft_applied_tokens": applied,
+        # Of the tokens every replica would have trained had none failed: what the failures cost in data.
+        "ft_applied_fraction": (
+            applied / (config.clusters * config.train.steps * per_replica_step) if applied is not None else None
+        ),
+        "goodput_tokens_per_s": applied / wall_s if applied is not None and wall_s else None,
+    }
+
+
+def main() -> int:
+    """The lighthouse: torchft's quorum server, until SIGTERM."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--min-replicas", type=int, required=True)
+    parser.add_argument("--join-timeout-s", type=float, required=True)
+    # The run it serves: its command line names the run as its workers' do (a test finds a run's processes by it).
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args()
+    # No lighthouse outlives its run, however the harness dies.
+    set_parent_death_signal(signal.SIGKILL)
+    from torchft.coordination import LighthouseServer
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    lighthouse = LighthouseServer(
+        bind=f"[::]:{LIGHTHOUSE_PORT}",
+        min_replicas=args.min_replicas,
+        # A live replica that has not asked yet (it is inside its round) is waited for this long: rounds are
+        # synchronous, so a quorum without it would leave it to heal. A dead one is dropped after its heartbeats
+        # stop (torchft's 5 s).
+        join_timeout_ms=int(args.join_timeout_s * 1000),
+        quorum_tick_ms=100,
+    )
+    print(f"lighthouse of {args.run_dir} on port {LIGHTHOUSE_PORT}", flush=True)
+    while not stop:
+        time.sleep(0.2)
+    lighthouse.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""Failures that heal, on real runs (`--set fault_tolerance=torchft`): a replica killed mid-run restarts, fetches its
+peer's state across the shaped link and the run ends ok with every replica holding the same parameters; Ctrl-C
+while a replica heals leaves the host clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from harness.userns import user_namespaces_work
+from tests.harness.e2e import HARNESS, harness, run_marker, summary_of
+from tests.harness.hoststate import leftovers, snapshot
+
+pytestmark = pytest.mark.e2e
+
+if os.geteuid() != 0 and not user_namespaces_work():
+    pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)
+pytest.importorskip("torchft", reason="fault tolerance runs on torchft (pip install -e '.[ft]')")
+
+FT_RUN = [
+    "--profile", "100mbps", "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--eval-every", "20",
+    "--set", "fault_tolerance=torchft", "--set", "restart_delay_s=1", "--set", "replica_timeout_s=10",
+]  # fmt: skip
+
+
+def events(out, rank):
+    return [json.loads(line) for line in (out / "events" / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def final_evaluations(out):
+    """Each rank's last evaluation: the same validation batches on each replica's parameters."""
+    return {rank: [e for e in events(out, rank) if e["kind"] == "eval"][-1] for rank in (0, 1)}
+
+
+@pytest.mark.parametrize(
+    ("method", "settings"),
+    [("allreduce", []), ("opendiloco", ["--set", "local_steps=10"])],
+)
+def test_a_killed_replica_heals_from_its_peer_and_the_run_ends_with_equal_replicas(tmp_path, method, settings):
+    before = snapshot()
+    out = tmp_path / "run"
+    result = harness(
+        "run", "--method", method, *settings, "--steps", 60, *FT_RUN, "--fault", "kill:25:1", "--out", out
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = summary_of(out)
+    assert summary["status"] == "ok" and summary["steps"] == 60
+    (heal,) = summary["heals"]
+    assert heal["rank"] == 1 and heal["killed_at_step"] >= 25 and heal["down_s"] >= 1.0
+    # The restarted replica took its peer's round: the step the peer's quorum was at, not its own 0.
+    assert 20 <= heal["healed_to_step"] <= heal["killed_at_step"] + 1
+    # What crossed the link to heal is the state torch serializes, plus TCP/IP and HTTP headers (a few %).
+    assert heal["heal_state_bytes"] <= heal["heal_received_bytes"] <= 1.05 * heal["heal_state_bytes"]
+    quorums = [e for e in events(out, 1) if e["kind"] == "quorum" and "healed_to_step" in e]
+    assert [q["healed_to_step"] for q in quorums] == [heal["healed_to_step"]]
+    # After the last exchange every replica holds the same parameters: the same loss on the same batches.
+    evaluations = final_evaluations(out)
+    assert evaluations[0]["step"] == evaluations[1]["step"] == 60
+    assert evaluations[0]["val_loss"] == evaluations[1]["val_loss"]
+    # Every step is in the final model: discarded rounds were trained again, and the applied tokens count each
+    # step's replicas (fewer while one was down).
+    assert 60 * 2 * 64 <= summary["ft_applied_tokens"] <= 60 * 2 * 2 * 64
+    assert summary["goodput_tokens_per_s"] > 0
+    assert leftovers(before, run_marker(out)) == {}
+
+
+def test_ctrl_c_while_a_replica_heals_leaves_the_host_clean(tmp_path):
+    before = snapshot()
+    out = tmp_path / "run"
+    argv = [*HARNESS, "run", "--method", "allreduce", "--steps", "400", *FT_RUN, "--fault", "kill:10:1"]
+    proc = subprocess.Popen([*argv, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    faults = out.parent / f".{out.name}.partial" / "events" / "faults.jsonl"
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if faults.exists() and '"restarted"' in faults.read_text():
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()[0]
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 130, output
+    summary = summary_of(out)
+    assert summary["status"] == "failed" and "interrupted by SIGINT" in summary["failure"]
+    assert [r["rank"] for r in summary["restarts"]] == [1]
+    assert leftovers(before, run_marker(out)) == {}
