@@ -77,18 +77,30 @@ class ManagedGroup:
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.http_transport import HTTPTransport
 
+        group = self
+
         class SiteHTTPTransport(HTTPTransport):
             """torchft's checkpoint server, advertised at the cluster's address: the host name it uses by default
-            resolves outside the cluster's network namespace."""
+            resolves outside the cluster's network namespace. A fetch (a heal) is counted on the uplink's
+            received bytes, around the fetch alone: the quorum's wait for the others' round is not in it."""
 
             def address(self) -> str:
                 return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+            def recv_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+                before = group._received_bytes() if group._received_bytes else None
+                state = super().recv_checkpoint(*args, **kwargs)
+                if before is not None:
+                    group.heal_received_bytes = group._received_bytes() - before
+                return state
 
         timeout = timedelta(seconds=timeout_s)
         self._store = TCPStore(address, store_port, is_master=True, wait_for_workers=False)
         self.log, self._received_bytes = log, received_bytes
         self.rejoining = rejoining
         self._load_state: Callable[[dict[str, Any]], None] = lambda state: None
+        # The bytes the last heal's fetch received (SiteHTTPTransport), None where no counter is read.
+        self.heal_received_bytes: int | None = None
         self._snapshot: dict[str, Any] | None = None
         self.healed_state: dict[str, Any] | None = None
         self.manager = Manager(
@@ -123,8 +135,8 @@ class ManagedGroup:
         "method"}: a copy, which a rejoining peer may fetch while this rank trains on); after a heal, the peer's
         snapshot, which `load` has put in this rank (its "step" is the round to train next), else None."""
         started = time.perf_counter()
-        received = self._received_bytes() if self._received_bytes else None
         self._snapshot, self._load_state, self.healed_state = snapshot, load, None
+        self.heal_received_bytes = None
         self.manager.start_quorum()
         quorum_s = time.perf_counter() - started
         event: dict[str, Any] = {
@@ -137,7 +149,7 @@ class ManagedGroup:
             event.update(
                 healed_to_step=self.healed_state["step"],
                 heal_state_bytes=state_bytes(self.healed_state),
-                heal_received_bytes=self._received_bytes() - received if received is not None else None,
+                heal_received_bytes=self.heal_received_bytes,
             )
         self.log(event)
         return self.healed_state

@@ -253,6 +253,10 @@ def _step_event(
     return event
 
 
+class NothingToRejoin(Exception):
+    """A restarted replica whose first quorum had no peer to heal from: the run ended while it was down."""
+
+
 class _Rounds:
     """The train loop's side of fault tolerance (trainers/fault_tolerance.py): a round starts after every exchange
     (every step for AllReduce, every H steps for a DiLoCo round), with a quorum from a snapshot of this rank's
@@ -282,6 +286,11 @@ class _Rounds:
         self._losses_kept = len(losses)
         self.starting = False
         healed = self.group.quorum(self.snapshot, self._load)
+        if healed is None and self.group.rejoining and step == 0:
+            raise NothingToRejoin(
+                "restarted after a failure, this replica found no live peer ahead of it to heal from: the others had "
+                "finished"
+            )
         if healed is None:
             return step
         self.snapshot = healed

@@ -61,6 +61,7 @@ def report(results, target_loss, csv_path, parquet_path, tables, tensorboard, wa
     """
     from harness.analysis.report.aggregates import comparison, site_comparison
     from harness.analysis.report.files import write_csv, write_parquet, write_tables
+    from harness.analysis.report.goodput import goodput_markdown, goodput_table
     from harness.analysis.report.results import report_markdown
     from harness.analysis.report.tables import load_runs
 
@@ -97,6 +98,9 @@ def report(results, target_loss, csv_path, parquet_path, tables, tensorboard, wa
 
             logged = log_runs(runs)
     click.echo(report_markdown(compared, loaded.runs, site_comparison(loaded)))
+    goodput = goodput_markdown(goodput_table(loaded.runs))
+    if goodput:
+        click.echo(goodput)
     for path in written:
         print_text(f"wrote {path}")
     if logged:

@@ -459,6 +459,8 @@ class RunConfig:
         min_replicas: int | None = None,
         restart_delay_s: float | None = None,
         replica_timeout_s: float | None = None,
+        mtbf_s: float | str | None = None,
+        failure_seed: int | None = None,
         **settings: Any,
     ) -> RunConfig:
         """A run from flat settings, as the CLI and sweeps have them.
@@ -497,6 +499,9 @@ class RunConfig:
                         ("min_replicas", min_replicas),
                         ("restart_delay_s", restart_delay_s),
                         ("replica_timeout_s", replica_timeout_s),
+                        # "none", as --set reads it: no random failures.
+                        ("mtbf_s", None if mtbf_s == "none" else mtbf_s),
+                        ("failure_seed", failure_seed),
                     )
                     if v is not None
                 },

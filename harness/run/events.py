@@ -29,9 +29,10 @@ class EventWriter:
 class EventTail:
     """Reads the events appended to a file since the last call (for the live progress display)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, offset: int = 0):
+        """`offset`: where in the file to start (0: every event; the file's size: those appended from now on)."""
         self.path = path
-        self._offset = 0
+        self._offset = offset
         self._partial = ""
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

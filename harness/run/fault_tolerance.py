@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import signal
 import subprocess
 import sys
@@ -27,6 +29,7 @@ from typing import Any, Literal
 
 from harness.errors import UserError
 from harness.process import set_parent_death_signal
+from harness.run.events import EventTail
 
 ENGINES = ("none", "torchft")
 METHODS = ("allreduce", "opendiloco")
@@ -65,6 +68,21 @@ class FaultTolerance:
         },
     )
 
+    mtbf_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "Random failures: each replica is killed after an up time drawn from an exponential distribution "
+            "of this mean (seconds), and restarted as a --fault kill is; none: no random failures."
+        },
+    )
+    failure_seed: int = field(
+        default=0,
+        metadata={
+            "help": "The random failures' seed; with the run's --seed it seeds each replica's own stream of draws, so "
+            "a study's seeds see different failure times."
+        },
+    )
+
     @property
     def enabled(self) -> bool:
         return self.engine != "none"
@@ -100,7 +118,7 @@ def check_fault_tolerance(
             f"--set fault_tolerance={ft.engine} names no fault tolerance; use one of {', '.join(ENGINES)}"
         )
     if not ft.enabled:
-        for name in ("min_replicas", "restart_delay_s", "replica_timeout_s"):
+        for name in ("min_replicas", "restart_delay_s", "replica_timeout_s", "mtbf_s", "failure_seed"):
             if getattr(ft, name) != getattr(FaultTolerance(), name):
                 raise FaultToleranceError(
                     f"--set {name} is a setting of fault tolerance, which this run does not use; add "
@@ -132,6 +150,11 @@ def check_fault_tolerance(
         raise FaultToleranceError(
             f"--set replica_timeout_s={ft.replica_timeout_s:g} must be a positive number of seconds (at most a day)"
         )
+    if ft.mtbf_s is not None and not (isinstance(ft.mtbf_s, int | float) and 0 < ft.mtbf_s < math.inf):
+        raise FaultToleranceError(
+            f"--set mtbf_s={ft.mtbf_s} must be a positive number of seconds (the mean up time between failures), or "
+            "none for no random failures"
+        )
     for step, killed in sorted(kills_by_step.items()):
         if clusters - killed < ft.min_replicas:
             raise FaultToleranceError(
@@ -158,20 +181,30 @@ class Restarts:
         self.due: dict[int, float] = {}
         self.records: list[dict[str, Any]] = []
 
-    def killed(self, rank: int) -> None:
-        """`rank` was killed just now: start it again once the delay is over."""
+    def killed(self, rank: int, cause: str = "fault", postponed_s: float = 0.0) -> None:
+        """`rank` was killed just now (`cause`: "fault", a --fault kill, or "mtbf"; `postponed_s` after it was
+        asked for): start it again once the delay is over."""
         self.due[rank] = time.monotonic() + self.delay_s
         incarnation = 1 + sum(r["rank"] == rank for r in self.records)
-        self.records.append({"rank": rank, "killed_t": time.time(), "incarnation": incarnation})
+        self.records.append(
+            {
+                "rank": rank,
+                "cause": cause,
+                "killed_t": time.time(),
+                "incarnation": incarnation,
+                "postponed_s": postponed_s,
+            }
+        )
 
     def expected(self, rank: int) -> bool:
         """Whether `rank` is down on purpose (its exit is not a failure)."""
         return rank in self.due
 
-    def poll(self, procs: dict[int, Any]) -> None:
-        """Start the ranks whose delay is over, in `procs`."""
+    def poll(self, procs: dict[int, Any]) -> list[int]:
+        """Start the ranks whose delay is over, in `procs`; the ranks started."""
         now = time.monotonic()
-        for rank in [r for r, due in self.due.items() if now >= due]:
+        started = [r for r, due in self.due.items() if now >= due]
+        for rank in started:
             record = next(r for r in reversed(self.records) if r["rank"] == rank)
             procs[rank].wait()
             procs[rank] = self.start(rank, record["incarnation"])
@@ -180,6 +213,32 @@ class Restarts:
             with self.log_path.open("a") as log:
                 log.write(json.dumps({"t": record["restarted_t"], "kind": "fault", "event": "restarted", **record}))
                 log.write("\n")
+        return started
+
+
+class FailureSchedule:
+    """Random failures (`mtbf_s`): each replica fails after an up time drawn from an exponential distribution of mean
+    `mtbf_s`, counted from its start or restart, from a stream of its own seeded by (seed, replica), so one
+    replica's failures do not shift another's (`seed`: "failure_seed:run seed", so a study's seeds differ). A
+    failure that would leave fewer than `min_replicas` replicas up waits until one is back. `now`: time.monotonic().
+    """
+
+    def __init__(self, mtbf_s: float, seed: str, replicas: int, min_replicas: int, now: float):
+        self.mtbf_s, self.min_replicas = mtbf_s, min_replicas
+        self.streams = {r: random.Random(f"{seed}:{r}") for r in range(replicas)}
+        self.due_at = {r: now + self._draw(r) for r in range(replicas)}
+
+    def _draw(self, replica: int) -> float:
+        return self.streams[replica].expovariate(1.0 / self.mtbf_s)
+
+    def due(self, now: float, down: set[int]) -> list[int]:
+        """The replicas to kill now, of those up, earliest first, while at least min_replicas stay up."""
+        up = [r for r in sorted(self.due_at, key=self.due_at.get) if r not in down]
+        failing = [r for r in up if self.due_at[r] <= now]
+        return failing[: max(0, len(up) - self.min_replicas)]
+
+    def restarted(self, replica: int, now: float) -> None:
+        self.due_at[replica] = now + self._draw(replica)
 
 
 class LighthouseExited(Exception):
@@ -205,16 +264,68 @@ class Tolerance:
         self.log_path = paths.logs_dir / "lighthouse.log"
         self.lighthouse = cluster.spawn(0, argv, {"PYTHONUNBUFFERED": "1"}, self.log_path)
         self.restarts = Restarts(config.fault_tolerance.restart_delay_s, start_rank, paths.faults)
+        ft = config.fault_tolerance
+        self.schedule = (
+            FailureSchedule(
+                ft.mtbf_s, f"{ft.failure_seed}:{config.train.seed}", config.clusters, ft.min_replicas, time.monotonic()
+            )
+            if ft.mtbf_s is not None
+            else None
+        )
+        self.paths, self.replicas, self.min_replicas = paths, config.clusters, ft.min_replicas
+        # Restarted ranks not yet healed, each with the events that will say so (those after its restart).
+        self.rejoining: dict[int, EventTail] = {}
+        # Restarted ranks that found nobody to heal from (the others had finished): down for good.
+        self.left: set[int] = set()
+        # Kills asked for while they would leave fewer than min_replicas training: (rank, cause, asked at).
+        self.postponed: list[tuple[int, str, float]] = []
 
-    def kill(self, procs: dict[int, Any], rank: int) -> None:
-        """Kill `rank` (a --fault kill) and have it started again after the delay."""
-        procs[rank].kill()
-        self.restarts.killed(rank)
+    def down(self) -> set[int]:
+        """The replicas not training now: killed and not restarted yet, restarted and not healed yet, or gone."""
+        return set(self.restarts.due) | set(self.rejoining) | self.left
+
+    def kill(self, procs: dict[int, Any], rank: int, cause: str = "fault") -> None:
+        """Kill `rank` (`cause`: a --fault kill, or "mtbf" for a random failure) and have it started again after
+        the delay. A kill that would leave fewer than min_replicas replicas training (a rank down is not training
+        until it has healed) waits until one is back; its restart record says how long (`postponed_s`)."""
+        self.postponed.append((rank, cause, time.monotonic()))
+        self._kill_what_may_go(procs)
+
+    def _kill_what_may_go(self, procs: dict[int, Any]) -> None:
+        for entry in list(self.postponed):
+            rank, cause, asked = entry
+            down = self.down()
+            if rank in down or self.replicas - len(down) - 1 < self.min_replicas:
+                continue
+            self.postponed.remove(entry)
+            procs[rank].kill()
+            self.restarts.killed(rank, cause, postponed_s=time.monotonic() - asked)
+
+    def _follow_rejoins(self) -> None:
+        """A restarted rank is back once its events show its heal (a quorum that healed it) or that it left."""
+        for rank, tail in list(self.rejoining.items()):
+            for event in tail:
+                if event["kind"] == "left":
+                    self.left.add(rank)
+                if event["kind"] == "left" or (event["kind"] == "quorum" and "healed_to_step" in event):
+                    del self.rejoining[rank]
+                    break
 
     def poll(self, procs: dict[int, Any], then: Callable[[], None] | None = None) -> None:
         """Restart what is due; a lighthouse that exited ends the run (no quorum can form without it). `then`: what
         else the runner polls (the live scalar writers)."""
-        self.restarts.poll(procs)
+        now = time.monotonic()
+        self._follow_rejoins()
+        for rank in self.restarts.poll(procs):
+            events = self.paths.events(rank)
+            self.rejoining[rank] = EventTail(events, offset=events.stat().st_size if events.exists() else 0)
+            if self.schedule is not None:
+                self.schedule.restarted(rank, now)
+        self._kill_what_may_go(procs)
+        # Once a replica has finished, the run is ending: a replica killed now could not rejoin a round.
+        if self.schedule is not None and not any(proc.poll() == 0 for proc in procs.values()):
+            for rank in self.schedule.due(now, self.down()):
+                self.kill(procs, rank, cause="mtbf")
         if then is not None:
             then()
         code = self.lighthouse.poll()
@@ -231,7 +342,7 @@ class Tolerance:
             self.lighthouse.wait()
 
 
-def _heal(restart: dict[str, Any], events: list[dict[str, Any]], faults: list[dict[str, Any]]) -> dict[str, Any]:
+def _heal(restart: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
     """One failure, killed to healed, from the runner's restart record and the restarted rank's events."""
     restarted_t = restart.get("restarted_t")
     healed = next(
@@ -242,12 +353,15 @@ def _heal(restart: dict[str, Any], events: list[dict[str, Any]], faults: list[di
         ),
         None,
     )
-    kills = [f for f in faults if f["fault"] == "kill" and f["rank"] == restart["rank"]]
-    killed_at = max((f for f in kills if f["injected_t"] <= restart["killed_t"]), key=lambda f: f["injected_t"])
+    trained = [e["step"] for e in events if e["kind"] == "step" and e["t"] <= restart["killed_t"]]
     return {
         "rank": restart["rank"],
         "incarnation": restart["incarnation"],
-        "killed_at_step": killed_at["injected_at_step"],
+        "cause": restart.get("cause", "fault"),
+        # The step it was training when killed: the one after its last logged step.
+        "killed_at_step": max(trained) + 1 if trained else 0,
+        # How long the kill waited for min_replicas others to be training (0: killed when asked).
+        "postponed_s": restart.get("postponed_s", 0.0),
         "down_s": restarted_t - restart["killed_t"] if restarted_t is not None else None,
         # From the restart to the heal applied: the worker's start, its wait for the others' next round, the fetch.
         "heal_s": healed["t"] - restarted_t if healed else None,
@@ -255,6 +369,10 @@ def _heal(restart: dict[str, Any], events: list[dict[str, Any]], faults: list[di
         "heal_state_bytes": healed["heal_state_bytes"] if healed else None,
         "heal_received_bytes": healed["heal_received_bytes"] if healed else None,
     }
+
+
+def _left(events: list[dict[str, Any]]) -> bool:
+    return any(e["kind"] == "left" for e in events)
 
 
 def _applied_tokens(events: list[dict[str, Any]], steps: int, tokens_per_replica_step: int) -> int:
@@ -275,8 +393,7 @@ def summarize_fault_tolerance(
     if not config.fault_tolerance.enabled:
         return {}
     restarts = record.get("restarts") or []
-    faults = record.get("faults") or []
-    heals = [_heal(r, events.get(r["rank"], []), faults) for r in restarts]
+    heals = [_heal(r, events.get(r["rank"], [])) for r in restarts]
     discarded = [e for rank_events in events.values() for e in rank_events if e["kind"] == "discarded"]
     survivors = [rank for rank in sorted(events) if rank not in {r["rank"] for r in restarts}]
     start = next((e for e in events.get(survivors[0], []) if e["kind"] == "start"), None) if survivors else None
@@ -285,6 +402,8 @@ def summarize_fault_tolerance(
     return {
         "fault_tolerance": config.fault_tolerance.engine,
         "heals": heals,
+        # Replicas restarted after the others had finished: nothing was left to rejoin (trainers/train.py).
+        "replicas_left": [rank for rank, rank_events in sorted(events.items()) if _left(rank_events)],
         "rounds_discarded": len(discarded),
         "steps_discarded": sum(e["to_step"] - e["from_step"] for e in discarded),
         "ft_applied_tokens": applied,

@@ -37,7 +37,9 @@ TRAIN_KEYS = frozenset(f.name for f in dataclasses.fields(TrainConfig)) - {"opti
 # interrupted one resumes inside itself (harness/analysis/experiments/sweep.py).
 KEEPING_KEYS = frozenset({"checkpoint_every"})
 # Fault tolerance, `--set fault_tolerance=torchft`, and its settings (harness/run/fault_tolerance.py documents them).
-FAULT_TOLERANCE_KEYS = frozenset({"fault_tolerance", "min_replicas", "restart_delay_s", "replica_timeout_s"})
+FAULT_TOLERANCE_KEYS = frozenset(
+    {"fault_tolerance", "min_replicas", "restart_delay_s", "replica_timeout_s", "mtbf_s", "failure_seed"}
+)
 RUN_KEYS = CLUSTER_KEYS | TRAIN_KEYS | KEEPING_KEYS | FAULT_TOLERANCE_KEYS
 SET_METAVAR = "[METHOD.]KEY=VALUE"
 

@@ -330,7 +330,9 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
         records = _Records(config, {}, {rank: [] for rank in range(config.clusters * config.stages)})
         failure = f"{failure}; {err}" if failure else str(err)
     world = config.clusters * config.stages
-    status = "ok" if failure is None and len(records.ranks) == world else "failed"
+    # Under fault tolerance a replica restarted after the others had finished leaves without a result.
+    left = [rank for rank, events in records.events.items() if any(e["kind"] == "left" for e in events)]
+    status = "ok" if failure is None and records.ranks and len(records.ranks) == world - len(left) else "failed"
     if status == "failed" and failure is None:
         failure = f"only {len(records.ranks)} of {world} ranks reported results"
     throughput = _throughput(records)

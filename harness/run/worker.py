@@ -29,7 +29,7 @@ from harness.run.fault_tolerance import group_ports, lighthouse_url
 from harness.run.folder import RunPaths, write_rank_result
 from trainers.comm import allreduce_payload_bytes
 from trainers.fault_tolerance import ManagedGroup
-from trainers.train import Checkpointing, ParallelContext, train
+from trainers.train import Checkpointing, NothingToRejoin, ParallelContext, train
 
 
 def _die_with_parent() -> None:
@@ -243,6 +243,10 @@ def main() -> int:
         if isinstance(par.data_parallel_group, ManagedGroup):
             par.data_parallel_group.shutdown()
         dist.destroy_process_group()
+        return 0
+    except NothingToRejoin as err:
+        # Not a failure: the run ended while this replica was down. It leaves no result (summary.py counts it out).
+        writer({"kind": "left", "reason": str(err)})
         return 0
     except Exception as err:
         writer({"kind": "error", "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})

@@ -61,6 +61,7 @@ _SUMMARY_SCALARS = (
     "link_busbw_bps", "regime_target_r", "link_max_excess", "link_conforms", "link_emulator",
     "link_rtt_ms", "link_rtt_target_ms", "link_loss_measured", "link_loss_target", "link_check_ok",
     "link_trace_error", "link_trace_windows", "host_other_cpu_share", "host_steal_share",
+    "fault_tolerance", "goodput_tokens_per_s", "ft_applied_fraction", "rounds_discarded",
 )  # fmt: skip
 
 
@@ -167,11 +168,15 @@ def _read_run(run_dir: Path, relative: str) -> _Run:
     row = {key: summary.get(key) for key in _SUMMARY_SCALARS}
     # Runs from before --tokenizer existed trained on bytes.
     row["tokenizer"] = row["tokenizer"] or "bytes"
+    config = read_config(run_dir)
     if row["val_tokens"] is None:
-        row["val_tokens"] = _val_tokens_of(read_config(run_dir))
+        row["val_tokens"] = _val_tokens_of(config)
     options = run_options_in(run_dir, summary)
+    row.update(_fault_tolerance_columns(summary, config))
+    # Runs under random failures are variants of their own: a failure rate is not the method's setting.
+    failures = f" (mtbf {row['mtbf_s']:g} s)" if row["mtbf_s"] is not None else ""
     row.update(
-        variant=options.label, variant_key=options.key, options=json.dumps(options.resolved),
+        variant=options.label + failures, variant_key=options.key + failures, options=json.dumps(options.resolved),
         options_given=json.dumps(options.given), options_recorded=options.recorded, options_commit=options.commit,
         path=relative,
     )  # fmt: skip
@@ -185,6 +190,26 @@ def _read_run(run_dir: Path, relative: str) -> _Run:
         evals = [e for e in by_rank.get((summary.get("stages") or 1) - 1, []) if e["kind"] == "eval"]
         row["eval_s"] = sum(e.get("eval_s") or 0.0 for e in evals) if evals else None
     return _Run(row, events, sites, _link_trace_rows(summary["run_id"], run_dir))
+
+
+def _fault_tolerance_columns(summary: dict, config: dict) -> dict:
+    """A fault-tolerant run's failure rate (its config's mtbf_s), failures, and its heals' means (mtbf_s None and
+    the rest missing for a run without fault tolerance)."""
+    heals = [h for h in summary.get("heals") or [] if h.get("healed_to_step") is not None]
+    mtbf_s = (config.get("fault_tolerance") or {}).get("mtbf_s")
+    kills = [f for f in config.get("faults") or [] if f.startswith("kill:")]
+    return {
+        "mtbf_s": mtbf_s,
+        # What failed on purpose: the random failures' rate, the --fault kills, or nothing (the reference).
+        "failure_plan": f"mtbf {mtbf_s:g} s" if mtbf_s is not None else " ".join(kills) or "none",
+        "failures": len(summary["heals"]) if summary.get("fault_tolerance") else None,
+        "heal_s": sum(h["heal_s"] for h in heals) / len(heals) if heals else None,
+        "heal_bytes_ratio": (
+            sum(h["heal_received_bytes"] / h["heal_state_bytes"] for h in heals) / len(heals)
+            if heals and all(h["heal_received_bytes"] for h in heals)
+            else None
+        ),
+    }
 
 
 def _link_trace_rows(run_id: str, run_dir: Path) -> list[dict]:

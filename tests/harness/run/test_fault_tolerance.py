@@ -10,6 +10,7 @@ import pytest
 from harness.run import fault_tolerance
 from harness.run.config import RunConfig
 from harness.run.fault_tolerance import (
+    FailureSchedule,
     FaultTolerance,
     FaultToleranceError,
     Restarts,
@@ -49,6 +50,9 @@ def test_a_run_fault_tolerance_can_carry_is_accepted():
         ({"kills": {10: 2}}, "takes down 2 of 2 replicas"),
         ({"clusters": 3, "kills": {10: 2}, "ft": FaultTolerance("torchft", min_replicas=2)}, "min_replicas=2"),
         ({"checkpoint_every": 10}, "drop --set checkpoint_every"),
+        ({"ft": FaultTolerance("torchft", mtbf_s=-5)}, "mtbf_s=-5 must be a positive number of seconds"),
+        ({"ft": FaultTolerance("torchft", mtbf_s="often")}, "or none for no random failures"),
+        ({"ft": FaultTolerance(mtbf_s=60)}, "--set mtbf_s is a setting of fault tolerance"),
     ],
 )
 def test_what_fault_tolerance_cannot_honour_is_refused_naming_the_fix(arguments, message):
@@ -146,14 +150,16 @@ def test_the_summary_counts_each_rounds_replicas_and_the_heal_by_hand():
     ]  # fmt: skip
     record = {
         "faults": [{"fault": "kill", "rank": 1, "injected_at_step": 15, "injected_t": 2.7}],
-        "restarts": [{"rank": 1, "incarnation": 1, "killed_t": 2.7, "restarted_t": 3.2}],
+        "restarts": [{"rank": 1, "cause": "fault", "incarnation": 1, "killed_t": 2.7, "restarted_t": 3.2}],
     }
     summary = summarize_fault_tolerance(_config(), {0: rank0, 1: rank1}, record, wall_s=8.0)
     (heal,) = summary["heals"]
     assert heal == {
         "rank": 1,
         "incarnation": 1,
-        "killed_at_step": 15,
+        "cause": "fault",
+        "killed_at_step": 16,
+        "postponed_s": 0.0,
         "down_s": pytest.approx(0.5),
         "heal_s": pytest.approx(0.8),
         "healed_to_step": 10,
@@ -161,6 +167,7 @@ def test_the_summary_counts_each_rounds_replicas_and_the_heal_by_hand():
         "heal_received_bytes": 1040,
     }
     assert summary["rounds_discarded"] == 1 and summary["steps_discarded"] == 10
+    assert summary["replicas_left"] == []
     replica_steps = 10 * 2 + 0 * 2 + 10 * 2 + 10 * 1 + 10 * 2
     assert summary["ft_applied_tokens"] == replica_steps * 128
     assert summary["ft_applied_fraction"] == pytest.approx(replica_steps / 80)
@@ -170,3 +177,41 @@ def test_the_summary_counts_each_rounds_replicas_and_the_heal_by_hand():
 def test_a_run_without_fault_tolerance_has_no_fault_tolerance_figures():
     config = RunConfig.build("opendiloco", "100mbps", steps=40)
     assert summarize_fault_tolerance(config, {0: [], 1: []}, {}, wall_s=1.0) == {}
+
+
+def test_random_failures_are_exponential_up_times_one_stream_per_replica():
+    import random
+
+    schedule = FailureSchedule(mtbf_s=30.0, seed="7", replicas=3, min_replicas=1, now=100.0)
+    draws = {r: random.Random(f"7:{r}").expovariate(1 / 30.0) for r in range(3)}
+    assert schedule.due_at == {r: 100.0 + draws[r] for r in range(3)}
+    # Seeded: the same seed draws the same up times; another seed does not.
+    assert FailureSchedule(30.0, "7", 3, 1, 100.0).due_at == schedule.due_at
+    assert FailureSchedule(30.0, "8", 3, 1, 100.0).due_at != schedule.due_at
+    # A replica's next up time is drawn from its own stream when it is back.
+    second = random.Random("7:1")
+    second.expovariate(1 / 30.0)
+    schedule.restarted(1, now=500.0)
+    assert schedule.due_at[1] == 500.0 + second.expovariate(1 / 30.0)
+
+
+def test_a_random_failure_waits_while_it_would_leave_fewer_than_min_replicas_up():
+    schedule = FailureSchedule(mtbf_s=10.0, seed="0", replicas=3, min_replicas=2, now=0.0)
+    schedule.due_at = {0: 5.0, 1: 6.0, 2: 50.0}
+    assert schedule.due(4.0, down=set()) == []
+    # Both 0 and 1 are due; killing both would leave 1 < 2 up: the earlier one goes, the other waits.
+    assert schedule.due(7.0, down=set()) == [0]
+    assert schedule.due(7.0, down={0}) == []
+    assert schedule.due(7.0, down=set()) == [0]
+    schedule.restarted(0, now=8.0)
+    assert 1 in schedule.due(8.0, down=set())
+
+
+def test_a_replica_restarted_after_the_others_finished_is_counted_out_not_failed():
+    rank0 = [{"t": 1.0, "kind": "start", "tokens_per_step": 256}, {"t": 1.0, "kind": "quorum", "step": 0,
+             "participants": 2}]  # fmt: skip
+    rank1 = [{"t": 5.0, "kind": "step", "step": 38}, {"t": 9.0, "kind": "left", "reason": "the others had finished"}]
+    record = {"restarts": [{"rank": 1, "cause": "mtbf", "incarnation": 1, "killed_t": 6.0, "restarted_t": 8.0}]}
+    summary = summarize_fault_tolerance(_config(), {0: rank0, 1: rank1}, record, wall_s=10.0)
+    assert summary["replicas_left"] == [1]
+    assert summary["heals"][0]["healed_to_step"] is None and summary["heals"][0]["cause"] == "mtbf"
