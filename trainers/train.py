@@ -300,6 +300,14 @@ class _Rounds:
         """Whether the round that ends with `step` stands; if not, the rank is back at its start."""
         self.starting = True
         if self.group.commit():
+            self.log(
+                {
+                    "kind": "commit",
+                    "from_step": self.snapshot["step"],
+                    "to_step": step + 1,
+                    "participants": self.group.size(),
+                }
+            )
             return True
         self._load(self.snapshot)
         del losses[self._losses_kept :]

@@ -375,30 +375,43 @@ def _left(events: list[dict[str, Any]]) -> bool:
     return any(e["kind"] == "left" for e in events)
 
 
-def _applied_tokens(events: list[dict[str, Any]], steps: int, tokens_per_replica_step: int) -> int:
-    """Tokens in the final model, from a rank that lived through the run: each committed round's steps times the
-    replicas in its quorum (a discarded round is followed by a quorum at its own start step: zero steps)."""
-    quorums = sorted((e for e in events if e["kind"] == "quorum"), key=lambda e: e["t"])
-    ends = [q["step"] for q in quorums[1:]] + [steps] if quorums else []
-    return sum(q["participants"] * (end - q["step"]) for q, end in zip(quorums, ends, strict=True)) * (
-        tokens_per_replica_step
-    )
+def _applied_tokens(events: dict[int, list[dict[str, Any]]], clusters: int) -> int | None:
+    """Tokens in the final model: each committed round's steps times the replicas in its quorum, from the `commit`
+    events of every rank (each participant logs its rounds; a rank that died logged those before), each round once.
+    A discarded round has no commit event."""
+    start = next((e for rank_events in events.values() for e in rank_events if e["kind"] == "start"), None)
+    if start is None:
+        return None
+    rounds: dict[int, tuple[int, int]] = {}
+    for rank_events in events.values():
+        for e in rank_events:
+            if e["kind"] == "commit":
+                rounds[e["from_step"]] = (e["to_step"], max(e["participants"], rounds.get(e["from_step"], (0, 0))[1]))
+    replica_steps = sum(participants * (to_step - from_step) for from_step, (to_step, participants) in rounds.items())
+    return replica_steps * (start["tokens_per_step"] // clusters)
+
+
+def _training_wall_s(events: dict[int, list[dict[str, Any]]]) -> float | None:
+    """From the first step's start to the last step's end on any rank: the whole run, failures and heals included."""
+    steps = [e for rank_events in events.values() for e in rank_events if e["kind"] == "step"]
+    if not steps:
+        return None
+    return max(e["t"] for e in steps) - min(e["t"] - e["step_s"] for e in steps)
 
 
 def summarize_fault_tolerance(
-    config: Any, events: dict[int, list[dict[str, Any]]], record: dict[str, Any], wall_s: float | None
+    config: Any, events: dict[int, list[dict[str, Any]]], record: dict[str, Any]
 ) -> dict[str, Any]:
     """summary.json's fault-tolerance figures: each failure's downtime, time and bytes to heal, the rounds
-    discarded, and goodput (tokens in the final model over the whole wall time of a rank that never failed)."""
+    discarded, and goodput: tokens in the final model over the training's whole wall time on every rank."""
     if not config.fault_tolerance.enabled:
         return {}
-    restarts = record.get("restarts") or []
-    heals = [_heal(r, events.get(r["rank"], [])) for r in restarts]
+    heals = [_heal(r, events.get(r["rank"], [])) for r in record.get("restarts") or []]
     discarded = [e for rank_events in events.values() for e in rank_events if e["kind"] == "discarded"]
-    survivors = [rank for rank in sorted(events) if rank not in {r["rank"] for r in restarts}]
-    start = next((e for e in events.get(survivors[0], []) if e["kind"] == "start"), None) if survivors else None
-    per_replica_step = start["tokens_per_step"] // config.clusters if start else None
-    applied = _applied_tokens(events[survivors[0]], config.train.steps, per_replica_step) if start else None
+    applied = _applied_tokens(events, config.clusters)
+    wall_s = _training_wall_s(events)
+    every_step = config.clusters * config.train.steps
+    start = next((e for rank_events in events.values() for e in rank_events if e["kind"] == "start"), None)
     return {
         "fault_tolerance": config.fault_tolerance.engine,
         "heals": heals,
@@ -409,8 +422,9 @@ def summarize_fault_tolerance(
         "ft_applied_tokens": applied,
         # Of the tokens every replica would have trained had none failed: what the failures cost in data.
         "ft_applied_fraction": (
-            applied / (config.clusters * config.train.steps * per_replica_step) if applied is not None else None
+            applied / (every_step * (start["tokens_per_step"] // config.clusters)) if applied is not None else None
         ),
+        "ft_wall_s": wall_s,
         "goodput_tokens_per_s": applied / wall_s if applied is not None and wall_s else None,
     }
 

@@ -335,11 +335,16 @@ def summarize(config: RunConfig, run_dir: Path, failure: str | None, backend_rec
     status = "ok" if failure is None and records.ranks and len(records.ranks) == world - len(left) else "failed"
     if status == "failed" and failure is None:
         failure = f"only {len(records.ranks)} of {world} ranks reported results"
+    tolerance = summarize_fault_tolerance(config, records.events, backend_record)
     throughput = _throughput(records)
+    if tolerance:
+        # A restarted rank's own window covers its last incarnation only: under fault tolerance tokens/s is
+        # goodput, the tokens in the final model over the training's whole wall time.
+        throughput.update(tokens_per_s=tolerance["goodput_tokens_per_s"], trained_tokens_per_s=None)
     return {
         **_identity(config, status, failure),
         **throughput,
-        **summarize_fault_tolerance(config, records.events, backend_record, throughput["wall_s"]),
+        **tolerance,
         **_link(records),
         **_link_loss(config, run_dir),
         **_communication(records),

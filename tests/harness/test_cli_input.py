@@ -289,6 +289,36 @@ CASES = [
         ["sweep", "--methods", "allreduce", "--regime", "nosuch", "--out", "s"],
         ["unknown regime 'nosuch'"],
     ),
+    Case(
+        "fault-tolerance-method-not-carried",
+        ["run", "--method", "dilocox", "--set", "fault_tolerance=torchft"],
+        ["fault tolerance carries methods whose exchange is one all-reduce", "not dilocox", "use one of those"],
+    ),
+    Case(
+        "fault-tolerance-kills-every-replica",
+        [
+            "run",
+            "--method",
+            "allreduce",
+            "--set",
+            "fault_tolerance=torchft",
+            "--fault",
+            "kill:5:0",
+            "--fault",
+            "kill:5:1",
+        ],
+        ["takes down 2 of 2 replicas", "kill fewer at once or lower min_replicas"],
+    ),  # fmt: skip
+    Case(
+        "fault-tolerance-negative-mtbf",
+        ["run", "--method", "allreduce", "--set", "fault_tolerance=torchft", "--set", "mtbf_s=-10"],
+        ["mtbf_s=-10 must be a positive number of seconds"],
+    ),
+    Case(
+        "failures-without-fault-tolerance",
+        ["run", "--method", "allreduce", "--set", "mtbf_s=60"],
+        ["--set mtbf_s is a setting of fault tolerance", "add --set fault_tolerance=torchft or drop it"],
+    ),
     Case("docker-gpus-not-understood", ["run", "--backend", "docker", "--gpus", "x"], ["--gpus 'x' is not understood"]),
 ]
 

@@ -129,30 +129,32 @@ def _config(clusters=2, steps=40):
 
 
 def test_the_summary_counts_each_rounds_replicas_and_the_heal_by_hand():
-    """Rank 0 lived through the run, in rounds of 10 steps: [0, 10) with 2 replicas; [10, 20) discarded (its
-    exchange failed: rank 1 was killed at step 15) and trained again with 2, rank 1 back and healed to step 10;
-    [20, 30) with 1 (the quorum says so); [30, 40) with 2."""
+    """Rounds of 10 steps, 2 replicas: [0, 10) with both; [10, 20) discarded on rank 0 (rank 1 was killed in it, at
+    its step 16) and trained again with both once rank 1 had healed to step 10; [20, 30) with rank 0 alone (the
+    quorum says 1); [30, 40) with both. Rank 1 logged its commits before and after its death."""
     tokens_per_step = 2 * 128  # 2 clusters x batch 2 x 64
     rank0 = [
         {"t": 0.0, "kind": "start", "tokens_per_step": tokens_per_step},
-        {"t": 1.0, "kind": "quorum", "step": 0, "participants": 2},
-        {"t": 2.0, "kind": "quorum", "step": 10, "participants": 2},
+        {"t": 0.5, "kind": "step", "step": 0, "step_s": 0.1},
+        {"t": 1.0, "kind": "commit", "from_step": 0, "to_step": 10, "participants": 2},
         {"t": 3.0, "kind": "discarded", "from_step": 10, "to_step": 20},
-        {"t": 4.0, "kind": "quorum", "step": 10, "participants": 2},
-        {"t": 5.0, "kind": "quorum", "step": 20, "participants": 1},
-        {"t": 6.0, "kind": "quorum", "step": 30, "participants": 2},
+        {"t": 4.5, "kind": "commit", "from_step": 10, "to_step": 20, "participants": 2},
+        {"t": 5.5, "kind": "commit", "from_step": 20, "to_step": 30, "participants": 1},
+        {"t": 8.0, "kind": "commit", "from_step": 30, "to_step": 40, "participants": 2},
+        {"t": 8.4, "kind": "step", "step": 39, "step_s": 0.1},
     ]
     rank1 = [
-        {"t": 2.5, "kind": "step", "step": 14},
-        {"t": 2.6, "kind": "step", "step": 15},
+        {"t": 0.1, "kind": "start", "tokens_per_step": tokens_per_step},
+        {"t": 1.0, "kind": "commit", "from_step": 0, "to_step": 10, "participants": 2},
+        {"t": 2.5, "kind": "step", "step": 14, "step_s": 0.1},
+        {"t": 2.6, "kind": "step", "step": 15, "step_s": 0.1},
         {"t": 4.0, "kind": "quorum", "step": 0, "participants": 2, "healed_to_step": 10, "heal_state_bytes": 1000,
          "heal_received_bytes": 1040},
+        {"t": 4.5, "kind": "commit", "from_step": 10, "to_step": 20, "participants": 2},
+        {"t": 8.0, "kind": "commit", "from_step": 30, "to_step": 40, "participants": 2},
     ]  # fmt: skip
-    record = {
-        "faults": [{"fault": "kill", "rank": 1, "injected_at_step": 15, "injected_t": 2.7}],
-        "restarts": [{"rank": 1, "cause": "fault", "incarnation": 1, "killed_t": 2.7, "restarted_t": 3.2}],
-    }
-    summary = summarize_fault_tolerance(_config(), {0: rank0, 1: rank1}, record, wall_s=8.0)
+    record = {"restarts": [{"rank": 1, "cause": "fault", "incarnation": 1, "killed_t": 2.7, "restarted_t": 3.2}]}
+    summary = summarize_fault_tolerance(_config(), {0: rank0, 1: rank1}, record)
     (heal,) = summary["heals"]
     assert heal == {
         "rank": 1,
@@ -168,15 +170,17 @@ def test_the_summary_counts_each_rounds_replicas_and_the_heal_by_hand():
     }
     assert summary["rounds_discarded"] == 1 and summary["steps_discarded"] == 10
     assert summary["replicas_left"] == []
-    replica_steps = 10 * 2 + 0 * 2 + 10 * 2 + 10 * 1 + 10 * 2
+    replica_steps = 10 * 2 + 10 * 2 + 10 * 1 + 10 * 2
     assert summary["ft_applied_tokens"] == replica_steps * 128
     assert summary["ft_applied_fraction"] == pytest.approx(replica_steps / 80)
+    # The training's wall time: rank 0's first step started at 0.4, its last ended at 8.4.
+    assert summary["ft_wall_s"] == pytest.approx(8.0)
     assert summary["goodput_tokens_per_s"] == pytest.approx(replica_steps * 128 / 8.0)
 
 
 def test_a_run_without_fault_tolerance_has_no_fault_tolerance_figures():
     config = RunConfig.build("opendiloco", "100mbps", steps=40)
-    assert summarize_fault_tolerance(config, {0: [], 1: []}, {}, wall_s=1.0) == {}
+    assert summarize_fault_tolerance(config, {0: [], 1: []}, {}) == {}
 
 
 def test_random_failures_are_exponential_up_times_one_stream_per_replica():
@@ -210,8 +214,8 @@ def test_a_random_failure_waits_while_it_would_leave_fewer_than_min_replicas_up(
 def test_a_replica_restarted_after_the_others_finished_is_counted_out_not_failed():
     rank0 = [{"t": 1.0, "kind": "start", "tokens_per_step": 256}, {"t": 1.0, "kind": "quorum", "step": 0,
              "participants": 2}]  # fmt: skip
-    rank1 = [{"t": 5.0, "kind": "step", "step": 38}, {"t": 9.0, "kind": "left", "reason": "the others had finished"}]
+    rank1 = [{"t": 5.0, "kind": "step", "step": 38, "step_s": 0.1}, {"t": 9.0, "kind": "left", "reason": "done"}]
     record = {"restarts": [{"rank": 1, "cause": "mtbf", "incarnation": 1, "killed_t": 6.0, "restarted_t": 8.0}]}
-    summary = summarize_fault_tolerance(_config(), {0: rank0, 1: rank1}, record, wall_s=10.0)
+    summary = summarize_fault_tolerance(_config(), {0: rank0, 1: rank1}, record)
     assert summary["replicas_left"] == [1]
     assert summary["heals"][0]["healed_to_step"] is None and summary["heals"][0]["cause"] == "mtbf"
