@@ -12,3 +12,4 @@ common=(--profiles 100mbps --seeds 0,1,2 --model tiny --batch-size 2 --seq-len 6
 harness sweep --methods allreduce --steps 200 "${common[@]}" --out "$out/allreduce"
 harness sweep --methods opendiloco --steps 2000 --set local_steps=20 "${common[@]}" --out "$out/opendiloco"
 harness report "$out" --csv "$out/comparison.csv" >"$out/report.md"
+harness plot "$out" --out "$out/figures"

@@ -22,6 +22,8 @@
                         RTTs or more (a latency sweep), with the report's intervals
     link-trace-<run id> for every run that replayed a profile's trace: the rate achieved against the trace's
                         (harness/analysis/report/trace_figure.py)
+    ft-timeline-<run id> for every fault-tolerant run with failures: per replica, training, down and healing
+                        (harness/analysis/report/ft_timeline.py)
 
 A group is named <profile>-<model>, with the cluster shape and step count appended when several groups share both.
 A method keeps its colour in every figure; the style every figure shares: harness/analysis/report/figure_style.py.
@@ -50,6 +52,7 @@ from harness.analysis.report.figure_style import (
     variant_colors,
 )
 from harness.analysis.report.files import output_folder
+from harness.analysis.report.ft_timeline import timeline_figures
 from harness.analysis.report.tables import GROUP_KEYS, RunTables, eval_curve, in_group
 from harness.analysis.report.trace_figure import trace_figures
 from harness.units import format_rate
@@ -376,7 +379,7 @@ def plot_all(tables: RunTables, out: Path) -> list[Path]:
         if not group_sites.empty:
             written += save(sites_figure(group, group_sites, colors), out, f"sites-{slug}")
     written += _rtt_figures(ok, compared, palette, out)
-    for name, fig in trace_figures(tables):
+    for name, fig in [*trace_figures(tables), *timeline_figures(tables)]:
         written += save(fig, out, name)
     return written
 

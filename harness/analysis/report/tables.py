@@ -35,6 +35,7 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis.options import run_options_in, unique_labels
+from harness.analysis.report.replica_spans import replica_spans
 from harness.run.folder import (
     ResultsError,
     RunPaths,
@@ -82,6 +83,8 @@ class RunTables:
     sites: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
     skipped: tuple[Skipped, ...] = ()
     link_trace: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
+    # Per replica of a fault-tolerant run: its training, down and healing spans (replica_spans.py).
+    replica_spans: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
 
 
 def skipped_note(skipped: Sequence[Skipped]) -> str:
@@ -160,6 +163,7 @@ class _Run:
     events: list[dict]
     sites: list[dict]
     link_trace: list[dict]
+    replica_spans: list[dict]
 
 
 def _read_run(run_dir: Path, relative: str) -> _Run:
@@ -189,7 +193,8 @@ def _read_run(run_dir: Path, relative: str) -> _Run:
     if row["eval_s"] is None:
         evals = [e for e in by_rank.get((summary.get("stages") or 1) - 1, []) if e["kind"] == "eval"]
         row["eval_s"] = sum(e.get("eval_s") or 0.0 for e in evals) if evals else None
-    return _Run(row, events, sites, _link_trace_rows(summary["run_id"], run_dir))
+    spans = replica_spans(summary["run_id"], summary, by_rank)
+    return _Run(row, events, sites, _link_trace_rows(summary["run_id"], run_dir), spans)
 
 
 def _fault_tolerance_columns(summary: dict, config: dict) -> dict:
@@ -261,6 +266,7 @@ def load_runs(paths: Sequence[Path]) -> RunTables:
         pd.DataFrame([s for run in runs for s in run.sites]),
         skipped,
         pd.DataFrame([row for run in runs for row in run.link_trace]),
+        pd.DataFrame([row for run in runs for row in run.replica_spans]),
     )
 
 
