@@ -7,6 +7,7 @@ import ctypes
 import multiprocessing
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -19,6 +20,17 @@ def set_parent_death_signal(sig: signal.Signals) -> None:
     """The kernel sends `sig` to this process when its parent dies, even by SIGKILL. Callers check getppid()
     afterwards: a parent that died before this call is not covered."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def stop_process(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM a child that is still running, SIGKILL it if it has not exited after `grace_s`; reap it either way."""
+    if process.poll() is None:
+        process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def run_interruptibly(work: Callable[[], Any]) -> Any:

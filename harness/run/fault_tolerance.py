@@ -19,7 +19,6 @@ import json
 import math
 import random
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from harness.errors import UserError
-from harness.process import set_parent_death_signal
+from harness.process import set_parent_death_signal, stop_process
 from harness.run.events import EventTail
 
 ENGINES = ("none", "torchft")
@@ -333,13 +332,7 @@ class Tolerance:
             raise LighthouseExited(f"the torchft lighthouse exited with code {code}; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.lighthouse.poll() is None:
-            self.lighthouse.terminate()
-        try:
-            self.lighthouse.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.lighthouse.kill()
-            self.lighthouse.wait()
+        stop_process(self.lighthouse, STOP_GRACE_S)
 
 
 def _heal(restart: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -50,7 +50,7 @@ from harness.net.link import Profile
 from harness.net.topology import Topology
 from harness.net.trace import delay_ms_at, mean_rate_bps, rate_bps_at, replays_rate
 from harness.net.tracepoints import LinkTrace, TracePoint
-from harness.process import set_parent_death_signal
+from harness.process import set_parent_death_signal, stop_process
 from harness.run.config import RunConfig
 from harness.run.events import EventTail
 from harness.run.folder import RunPaths
@@ -118,12 +118,7 @@ class TraceReplay:
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process, STOP_GRACE_S)
 
 
 class Clock(Protocol):
