@@ -86,6 +86,11 @@ def parse_gpus(spec: str, world_size: int, nvidia_runtime: bool) -> list[str | N
 
 def unavailable_reason(world_size: int, gpus: str = "auto") -> str | None:
     """Why a docker run cannot start here, in one sentence naming the fix; None when it can."""
+    try:
+        # A --gpus that can never be read is a mistake in the command, whatever this host has: said first.
+        parse_gpus(gpus, world_size, nvidia_runtime=True)
+    except UserError as err:
+        return str(err)
     if os.geteuid() != 0:
         return (
             "the docker backend shapes the containers' links from the host and needs root; "
@@ -93,7 +98,7 @@ def unavailable_reason(world_size: int, gpus: str = "auto") -> str | None:
         )
     try:
         client = docker.from_env(timeout=5)
-        info = client.info()
+        client.info()
     except docker.errors.DockerException as err:
         where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
         return (
@@ -109,10 +114,6 @@ def unavailable_reason(world_size: int, gpus: str = "auto") -> str | None:
         )
     finally:
         client.close()
-    try:
-        parse_gpus(gpus, world_size, "nvidia" in info.get("Runtimes", {}))
-    except UserError as err:
-        return str(err)
     return None
 
 
