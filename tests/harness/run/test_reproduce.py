@@ -32,6 +32,13 @@ def test_a_folder_without_a_finished_run_is_refused_in_one_sentence(tmp_path):
         prepare(unsummarized)
 
 
+def test_a_damaged_summary_is_refused_naming_the_file(tmp_path):
+    run = write_run(tmp_path, "damaged")
+    RunPaths(run).summary.write_text('{"status": "ok", "tokens_per_s"')
+    with pytest.raises(UserError, match=r"summary\.json: .*; reproduce a run whose summary\.json is intact"):
+        prepare(run)
+
+
 def test_the_rerun_is_the_stored_config_and_what_may_differ_is_said(tmp_path):
     run = _with_environment(write_run(tmp_path, "r", method="dilocox", options={"rank": 8}), hostname="elsewhere")
     reproduction = prepare(run)
