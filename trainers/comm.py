@@ -123,6 +123,12 @@ def all_gather_bytes(payload: torch.Tensor, group: dist.ProcessGroup | None) -> 
     """
     if group is None:
         return [payload], InFlight(None, 0)
+    if isinstance(group, ManagedGroup):
+        # Zeros, not empty: a gather that failed leaves them as they were, and the round, discarded, still decodes
+        # them to finite numbers (a zero scale decodes to zero).
+        gathered = [torch.zeros_like(payload) for _ in range(group.size())]
+        work = group.all_gather(gathered, payload)
+        return gathered, InFlight(work, allgather_payload_bytes(payload.numel(), len(gathered)), True)
     gathered = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, payload, group=group, async_op=True)
     return gathered, InFlight(work, allgather_payload_bytes(payload.numel(), dist.get_world_size(group)))

@@ -95,8 +95,13 @@ class RoundExchange(ABC):
     def __init__(self, settings: ExchangeSettings, ctx: MethodContext):
         self.settings = settings
         self.names = [name for name, _ in ctx.named_params]
-        self.group, self.replicas = ctx.data_parallel_group, ctx.replicas
+        self.ctx, self.group = ctx, ctx.data_parallel_group
         self.error_feedback = ErrorFeedback()  # e_i, per parameter name
+
+    @property
+    def replicas(self) -> int:
+        """The replicas an exchange averages over, asked each time: under fault tolerance the quorum changes."""
+        return self.ctx.replicas
 
     @classmethod
     @abstractmethod

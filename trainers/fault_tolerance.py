@@ -95,6 +95,9 @@ class ManagedGroup:
                 return state
 
         timeout = timedelta(seconds=timeout_s)
+        # The Manager reconfigures this group at every quorum; all_gather runs on it directly (torchft's Manager
+        # wraps only the all-reduce).
+        self._pg = ProcessGroupGloo(timeout=timeout)
         self._store = TCPStore(address, store_port, is_master=True, wait_for_workers=False)
         self.log, self._received_bytes = log, received_bytes
         self.rejoining = rejoining
@@ -104,7 +107,7 @@ class ManagedGroup:
         self._snapshot: dict[str, Any] | None = None
         self.healed_state: dict[str, Any] | None = None
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=self._pg,
             load_state_dict=self._load,
             state_dict=lambda: self._snapshot,
             min_replica_size=min_replicas,
@@ -164,6 +167,21 @@ class ManagedGroup:
         from torch.distributed import ReduceOp
 
         return self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)
+
+    def all_gather(self, gathered: list[torch.Tensor], payload: torch.Tensor) -> Any:
+        """Start gathering every replica's `payload` into `gathered` (one tensor per replica in the quorum, in its
+        order), as all_reduce_sum does: an error is recorded in the Manager, not raised, and makes `commit()`
+        refuse; a future to wait on, or None where the round has already failed (nothing is sent)."""
+        from torch.distributed.distributed_c10d import AllgatherOptions
+
+        if self.manager.errored():
+            return None
+        try:
+            work = self._pg.allgather([gathered], [payload], AllgatherOptions())
+        except Exception as error:  # a peer already gone: the round is discarded, as torchft does for allreduce
+            self.manager.report_error(error)
+            return None
+        return self.manager.wrap_future(work.get_future(), gathered)
 
     def commit(self) -> bool:
         """Whether every replica in the quorum completed this round's exchange (torchft's should_commit); False:

@@ -92,6 +92,15 @@ class MethodConfig:
         method is `resumable`)."""
         return None
 
+    def fault_tolerance_refusal(self) -> str | None:
+        """Why fault tolerance (trainers/fault_tolerance.py) cannot carry a run with these settings, as the fix to
+        make; None: it can. A method is carried once every exchange it makes runs on the ManagedGroup and its state
+        between rounds is all in its state_dict (what a rejoining replica fetches); the default says it is not."""
+        return (
+            "its exchange does not run on torchft's reconfigurable group yet; use allreduce, opendiloco or dilocox "
+            "with fault tolerance"
+        )
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan | None:
         """How the method uses the slow link when a replica's parameters have these shapes (the whole model: a
         pipeline stage sends its own share of it); None: it sends nothing across clusters."""

@@ -317,6 +317,7 @@ class RunConfig:
         check_fault_tolerance(
             self.fault_tolerance,
             self.method,
+            self.method_config.fault_tolerance_refusal() if self.fault_tolerance.enabled else None,
             self.clusters,
             self.stages,
             self.backend,

@@ -7,9 +7,10 @@ next round and heals from a live peer over the link while the others train on (a
 A failure nobody injected still fails the run: fault tolerance is for the failures under study, not a way to hide
 a bug.
 
-What this covers today: methods whose exchange is one all-reduce over the replicas (allreduce as FT-DDP,
-opendiloco), one stage per cluster, the netns backend. DiLoCoX's gather and reduce, the compressed methods'
-exchanges and pipeline stages are not carried yet (refused before the run, `check_fault_tolerance`).
+What this covers today: allreduce (FT-DDP), opendiloco and dilocox (its gather or fp16 exchange, overlap streaming
+or none), one stage per cluster, the netns backend. A method says itself whether its settings can be carried
+(`MethodConfig.fault_tolerance_refusal`): DiLoCoX's reduce and its delayed and eager overlaps, the other compressed
+methods' exchanges and pipeline stages are not carried yet (refused before the run, `check_fault_tolerance`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from harness.process import set_parent_death_signal, stop_process
 from harness.run.events import EventTail
 
 ENGINES = ("none", "torchft")
-METHODS = ("allreduce", "opendiloco")
 # Cluster 0's namespace: the lighthouse's port. Each cluster's replica group listens on its own ports from
 # GROUP_PORT_BASE; a restarted replica takes the next block (the dead one's sockets may linger in TIME_WAIT).
 LIGHTHOUSE_PORT = 29510
@@ -104,14 +104,16 @@ class FaultToleranceError(UserError):
 def check_fault_tolerance(
     ft: FaultTolerance,
     method: str,
+    method_refusal: str | None,
     clusters: int,
     stages: int,
     backend: str,
     kills_by_step: dict[int, int],
     checkpoint_every: int,
 ) -> None:
-    """Everything fault tolerance needs, checked before the host is touched; `kills_by_step`: how many ranks the
-    run's kill faults take down at each step."""
+    """Everything fault tolerance needs, checked before the host is touched; `method_refusal`: why the method's
+    settings cannot be carried (MethodConfig.fault_tolerance_refusal), None where they can; `kills_by_step`: how many
+    ranks the run's kill faults take down at each step."""
     if ft.engine not in ENGINES:
         raise FaultToleranceError(
             f"--set fault_tolerance={ft.engine} names no fault tolerance; use one of {', '.join(ENGINES)}"
@@ -129,11 +131,8 @@ def check_fault_tolerance(
     missing = torchft_missing()
     if missing:
         raise FaultToleranceError(missing)
-    if method not in METHODS:
-        raise FaultToleranceError(
-            f"fault tolerance carries methods whose exchange is one all-reduce ({', '.join(METHODS)}), not "
-            f"{method} (its exchange does not run on torchft's reconfigurable group yet); use one of those"
-        )
+    if method_refusal is not None:
+        raise FaultToleranceError(f"fault tolerance cannot carry {method}: {method_refusal}")
     if stages != 1 or backend != "netns" or clusters < 2:
         raise FaultToleranceError(
             "fault tolerance runs one stage per cluster, on the netns backend, with at least 2 clusters (replicas "

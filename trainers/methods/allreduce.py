@@ -19,6 +19,9 @@ from trainers.method import Exchange, Method, MethodConfig, SyncPlan, SyncReport
 class AllReduceConfig(MethodConfig):
     """AllReduce has no knobs of its own: fp32 gradients, one flat bucket, every step."""
 
+    def fault_tolerance_refusal(self) -> str | None:
+        return None  # FT-DDP: the all-reduce runs on torchft's group, and the inner AdamW is all the state
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """The fp32 gradients' all-reduce, every step, blocking."""
         return SyncPlan((Exchange("all-reduce", torch.float32.itemsize * numel(shapes)),))

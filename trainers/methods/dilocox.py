@@ -260,6 +260,22 @@ class DiLoCoXConfig(NesterovRoundConfig):
             )
         return None
 
+    def fault_tolerance_refusal(self) -> str | None:
+        # A round under fault tolerance starts from a snapshot with nothing in flight, and a heal moves that
+        # snapshot: delayed and eager carry an exchange across the round boundary. The reduce's ring is point to
+        # point on the torch.distributed group, which torchft does not reconfigure.
+        if self.overlap in ("delayed", "eager"):
+            return (
+                f"overlap={self.overlap} keeps a round's exchange in flight through the next round, which a replica "
+                "that heals cannot fetch; use --set dilocox.overlap=streaming or none with fault tolerance"
+            )
+        if self.exchange == "reduce":
+            return (
+                "exchange=reduce sends its factors point to point, which torchft's group does not carry; use "
+                "--set dilocox.exchange=gather (or compression=false) with fault tolerance"
+            )
+        return None
+
     @property
     def local_steps_cap(self) -> int:
         return 4 * self.local_steps if self.max_local_steps is None else self.max_local_steps

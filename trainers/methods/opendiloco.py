@@ -50,6 +50,9 @@ class OpenDiLoCoConfig(NesterovRoundConfig):
         },
     )
 
+    def fault_tolerance_refusal(self) -> str | None:
+        return None  # one all-reduce a round, on torchft's group; nothing in flight between rounds
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """The pseudo-gradients' all-reduce in pseudo_grad_dtype once a round, blocking."""
         nbytes = CAST_DTYPES[self.pseudo_grad_dtype].itemsize * numel(shapes)

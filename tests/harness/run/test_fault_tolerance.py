@@ -17,18 +17,24 @@ from harness.run.fault_tolerance import (
     check_fault_tolerance,
     summarize_fault_tolerance,
 )
+from trainers.registry import method_config
 
 TORCHFT = FaultTolerance("torchft")
 
 
-def check(ft=TORCHFT, method="allreduce", clusters=2, stages=1, backend="netns", kills=None, checkpoint_every=0):
-    check_fault_tolerance(ft, method, clusters, stages, backend, kills or {}, checkpoint_every)
+def check(
+    ft=TORCHFT, method="allreduce", options=None, clusters=2, stages=1, backend="netns", kills=None, checkpoint_every=0
+):
+    refusal = method_config(method, options).fault_tolerance_refusal()
+    check_fault_tolerance(ft, method, refusal, clusters, stages, backend, kills or {}, checkpoint_every)
 
 
 def test_a_run_fault_tolerance_can_carry_is_accepted():
     pytest.importorskip("torchft")
     check()
     check(method="opendiloco", clusters=3, kills={10: 1, 20: 2}, ft=FaultTolerance("torchft", min_replicas=1))
+    check(method="dilocox")
+    check(method="dilocox", options={"overlap": "none", "compression": False})
     check(ft=FaultTolerance())
 
 
@@ -38,8 +44,12 @@ def test_a_run_fault_tolerance_can_carry_is_accepted():
         ({"ft": FaultTolerance("checkpoints")}, "--set fault_tolerance=checkpoints names no fault tolerance"),
         ({"ft": FaultTolerance(min_replicas=2)}, "--set min_replicas is a setting of fault tolerance"),
         ({"ft": FaultTolerance(restart_delay_s=5)}, "add --set fault_tolerance=torchft or drop it"),
-        ({"method": "dilocox"}, "not dilocox"),
-        ({"method": "cocktail"}, "allreduce, opendiloco"),
+        ({"method": "dilocox", "options": {"overlap": "delayed"}}, "use --set dilocox.overlap=streaming or none"),
+        ({"method": "dilocox", "options": {"overlap": "eager"}}, "overlap=eager keeps a round's exchange in flight"),
+        ({"method": "dilocox", "options": {"exchange": "reduce"}}, "use --set dilocox.exchange=gather"),
+        ({"method": "cocktail"}, "cannot carry cocktail: its exchange does not run on torchft's"),
+        ({"method": "sparseloco"}, "use allreduce, opendiloco or dilocox with fault tolerance"),
+        ({"method": "local"}, "cannot carry local"),
         ({"stages": 2}, "one stage per cluster"),
         ({"backend": "docker"}, "on the netns backend"),
         ({"clusters": 1}, "at least 2 clusters"),
