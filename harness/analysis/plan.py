@@ -214,6 +214,9 @@ class SweepSpec:
     repeats: int = 1
     # (method, profile) pairs left out: a comparison composes some methods on a link where it measures the others.
     skip: frozenset[tuple[str, str]] = frozenset()
+    # --selected-on: the seeds on which each method's settings were chosen (sweep.json records them; a report labels
+    # that method's rows on those seeds in-sample).
+    selected_on: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def combinations(self) -> list[Combination]:
         """Every distinct run, in the order they run (module doc: seed and repeat outermost, then profile, then
@@ -259,6 +262,9 @@ class SweepSpec:
         if self.repeats < 1:
             raise SweepError(f"--repeats must be at least 1, got {self.repeats}")
         check_entries(self.methods)
+        unknown = sorted(set(self.selected_on) - {method_of(m) for m in self.methods})
+        if unknown:
+            raise SweepError(f"--selected-on names {', '.join(unknown)}, which --methods does not run")
         check_keys([*self.settings, *(k for k, _ in self.grid)])
         check_keys_apply([*self.settings, *(k for k, _ in self.grid)], self.methods)
         for entry, options in self.per_method.items():
@@ -319,7 +325,7 @@ def parse_selected_on(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
         except ValueError:
             values = ()
         if not (equals and method.strip() and values):
-            raise CompareError(f"--selected-on {spec!r} must look like METHOD=SEEDS (dilocox=3,4,5)")
+            raise UserError(f"--selected-on {spec!r} must look like METHOD=SEEDS (dilocox=3,4,5)")
         chosen[method.strip()] = values
     return chosen
 
@@ -382,7 +388,7 @@ class CompareSpec:
             per_method.setdefault(method, {})["steps"] = steps
         return SweepSpec(
             self.methods, tuple(profiles), self.seeds, settings=self.settings, per_method=per_method,
-            skip=self._split_skip(composed=False),
+            skip=self._split_skip(composed=False), selected_on=self.selected_on,
         )  # fmt: skip
 
     @functools.cached_property
@@ -421,7 +427,7 @@ class CompareSpec:
         per_method = {m: {**full.per_method.get(m, {}), "steps": s} for m, s in self.trace_steps().items()}
         return SweepSpec(
             self.methods, self.composed, self.seeds, settings=self.settings, per_method=per_method,
-            skip=self._split_skip(composed=True),
+            skip=self._split_skip(composed=True), selected_on=self.selected_on,
         )  # fmt: skip
 
     def validate(self, link_check: Callable[[RunConfig], object] | None = None) -> None:
@@ -448,9 +454,6 @@ class CompareSpec:
         strangers = sorted(entry for entry in self.per_method if not is_method(method_of(entry)))
         if strangers:
             raise CompareError(f"options given for unknown method {strangers[0]!r}; known: {', '.join(method_names())}")
-        unknown = sorted(set(self.selected_on) - {method_of(m) for m in self.methods})
-        if unknown:
-            raise CompareError(f"--selected-on names {', '.join(unknown)}, which --methods does not run")
         strangers = sorted(set(self.method_steps) - set(self.methods))
         if strangers:
             raise CompareError(f"--method-steps names {', '.join(strangers)}, which --methods does not run")

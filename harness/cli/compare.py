@@ -10,7 +10,14 @@ import click
 from rich.text import Text
 
 from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
-from harness.cli.options import LossValue, WithSettings, cluster_options, set_option, train_options
+from harness.cli.options import (
+    LossValue,
+    WithSettings,
+    cluster_options,
+    selected_on_option,
+    set_option,
+    train_options,
+)
 from trainers.registry import method_names
 
 
@@ -74,13 +81,7 @@ def _profiles(values: tuple[str, ...], option: str) -> tuple[str, ...]:
 )
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Compare folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished runs.")
-@click.option(
-    "--selected-on",
-    multiple=True,
-    metavar="METHOD=SEEDS",
-    help="The seeds METHOD's settings were chosen on (repeatable), e.g. dilocox=3,4,5: recorded in compare.json, "
-    "and its rows on those seeds are labelled in-sample.",
-)
+@selected_on_option("compare.json")
 @click.option(
     "--control/--no-control",
     default=True,

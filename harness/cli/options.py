@@ -180,6 +180,17 @@ def train_options(command=None, *, seed: bool = True):
     return _apply(flags, command)
 
 
+def selected_on_option(recorded_in: str) -> Decorator:
+    """--selected-on of a study: which seeds chose which method's settings (harness/analysis/plan.py)."""
+    return click.option(
+        "--selected-on",
+        multiple=True,
+        metavar="METHOD=SEEDS",
+        help=f"The seeds METHOD's settings were chosen on (repeatable), e.g. dilocox=3,4,5: recorded in {recorded_in}, "
+        "and its rows on those seeds are labelled in-sample.",
+    )
+
+
 def set_option(help_text: str) -> Decorator:
     """--set [METHOD.]KEY=VALUE, repeatable: a method's setting, or a training or cluster setting
     (harness/run/settings.py)."""

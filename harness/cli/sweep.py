@@ -11,7 +11,7 @@ import click
 from rich.text import Text
 
 from harness.cli.common import SweepProgress, console, csv_list, print_text, print_warnings, reexec_if_unprivileged
-from harness.cli.options import WithSettings, cluster_options, set_option, train_options
+from harness.cli.options import WithSettings, cluster_options, selected_on_option, set_option, train_options
 from trainers.registry import method_names
 
 
@@ -39,9 +39,10 @@ from trainers.registry import method_names
 @click.option("--repeats", default=1, show_default=True, help="Runs per combination (e.g. for medians).")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Sweep folder (resumed if it exists).")
 @click.option("--force", is_flag=True, help="Rerun finished combinations (and re-derive the regime profile).")
+@selected_on_option("sweep.json")
 @cluster_options
 @train_options(seed=False)
-def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, **flags):
+def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, selected_on, **flags):
     """Run methods x profiles x seeds (x --set values) one after another into one sweep folder.
 
     Round-robin: for each seed (and repeat), each profile, every method runs back to back, so machine noise falls
@@ -53,7 +54,7 @@ def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, **
 
     from harness.analysis.experiments.regime import regime_profile
     from harness.analysis.experiments.sweep import SweepInterrupted, run_sweep, validate_sweep
-    from harness.analysis.plan import SweepSpec, sweep_settings
+    from harness.analysis.plan import SweepSpec, parse_selected_on, sweep_settings
     from harness.run.settings import parse_assignments, resolve_entries
 
     listed = resolve_entries(csv_list(methods, option="--methods"))
@@ -67,6 +68,7 @@ def sweep(methods, profiles, seeds, assignments, regime, repeats, out, force, **
         settings=settings,
         per_method=per_method,
         repeats=repeats,
+        selected_on=parse_selected_on(selected_on),
     )
     validate_sweep(spec, regime_pending=regime is not None)
     if spec.profiles:

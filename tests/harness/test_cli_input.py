@@ -284,6 +284,11 @@ CASES = [
         ["sweep", "--methods", "allreduce", "--seeds", "a,b", "--out", "s"],
         ["must be a comma-separated list of ints"],
     ),
+    Case(
+        "sweep-selected-on-malformed",
+        ["sweep", "--methods", "allreduce", "--profiles", "1gbps", "--selected-on", "allreduce", "--out", "s"],
+        ["--selected-on 'allreduce' must look like METHOD=SEEDS"],
+    ),
     Case("calibrate-one-cluster", ["calibrate", "--clusters", "1"], ["calibration measures the link between clusters"]),
     # `run --calibrate` with one cluster had no link to measure and skipped the calibration without a word.
     Case(

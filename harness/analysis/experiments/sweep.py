@@ -2,8 +2,10 @@
 
 Layout of a sweep folder OUT:
 
-    OUT/sweep.json           the settings every run shares (a resumed sweep must be given the same ones) and
-                             "command", the command line that made (or last resumed) the sweep
+    OUT/sweep.json           the settings every run shares (a resumed sweep must be given the same ones),
+                             "command", the command line that made (or last resumed) the sweep, and "selected_on",
+                             the seeds each method's settings were chosen on (--selected-on: its runs on them are
+                             in-sample, and `harness report` labels them so)
     OUT/index.csv            one row per combination: its settings, status, failure, path relative to OUT
     OUT/runs/<name>/         one ordinary results folder per combination (harness/run/folder.py)
     OUT/profiles/*.yaml      profiles the sweep derived itself (regime matching, harness/analysis/experiments/regime.py)
@@ -129,7 +131,11 @@ def _check_settings(out: Path, spec: SweepSpec, force: bool, command: str | None
                 "resume it (or, with --force, to redo it), or another --out"
             )
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": settings, "command": command}, indent=2) + "\n")
+    # Which seeds chose which method's settings is said of the study, not of its runs: a resumed sweep records what
+    # its latest command says.
+    selected_on = {method: list(seeds) for method, seeds in spec.selected_on.items()}
+    record = {"settings": settings, "command": command, "selected_on": selected_on}
+    path.write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _check_finished_options(out: Path, spec: SweepSpec, combos: Sequence[Combination]) -> None:

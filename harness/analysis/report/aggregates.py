@@ -244,6 +244,7 @@ def _variant_row(key: dict, group: pd.DataFrame, variant: str, runs: pd.DataFram
         "variant": variant,
         "method": runs["method"].iloc[0],
         "seeds": ",".join(str(s) for s in sorted(runs["seed"].unique())),
+        "in_sample_seeds": in_sample_seeds(runs),
         "runs": len(runs),
         "link_rate_bps": runs["link_rate_bps"].iloc[0],
     }
@@ -260,6 +261,14 @@ def _variant_row(key: dict, group: pd.DataFrame, variant: str, runs: pd.DataFram
     row["nonconforming_runs"] = int((runs.get("link_conforms", pd.Series(dtype=object)) == False).sum())  # noqa: E712
     row.update(_sync_and_target_columns(key, row["method"], runs, target))
     return row
+
+
+def in_sample_seeds(runs: pd.DataFrame) -> str:
+    """The runs' seeds their method's settings were chosen on, "0,1,2" ("" for none): a row on them is in-sample."""
+    if "in_sample" not in runs:
+        return ""
+    chosen = runs[runs["in_sample"].fillna(False).astype(bool)]
+    return ",".join(str(s) for s in sorted(chosen["seed"].unique()))
 
 
 def comparison(tables: RunTables, target_loss: float | None = None) -> pd.DataFrame:

@@ -25,6 +25,7 @@ from harness.analysis.report.markdown import (
     change,
     count,
     half_percent,
+    in_sample_label,
     markdown_table,
     percent,
     spread_cell,
@@ -88,7 +89,7 @@ def _time_cell(r: pd.Series) -> str:
 
 def variant_label(r: pd.Series) -> str:
     """The variant, marked where it is reported on seeds that chose its settings (--selected-on)."""
-    return f"{r['variant']} (in-sample: seeds {r['in_sample_seeds']})" if r.get("in_sample_seeds") else r["variant"]
+    return in_sample_label(r["variant"], r.get("in_sample_seeds"))
 
 
 def _row(r: pd.Series) -> list[str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from harness.analysis.report.aggregates import ratio, spread
-from harness.analysis.report.markdown import markdown_table, with_spread
+from harness.analysis.report.aggregates import in_sample_seeds, ratio, spread
+from harness.analysis.report.markdown import IN_SAMPLE_NOTE, in_sample_label, markdown_table, with_spread
 
 NO_FAILURES = "none"
 
@@ -31,6 +31,7 @@ def goodput_table(runs: pd.DataFrame) -> pd.DataFrame:
             rows.append(
                 {
                     "profile": profile, "method": method, "steps": steps, "failures_by": plan, "runs": len(runs_at),
+                    "in_sample_seeds": in_sample_seeds(runs_at),
                     "failures": spread(runs_at["failures"]), "goodput": spread(runs_at["goodput_tokens_per_s"]),
                     "share": share, "share_how": how, "heal_s": spread(runs_at["heal_s"]),
                     "heal_bytes_ratio": spread(runs_at["heal_bytes_ratio"]),
@@ -56,7 +57,8 @@ def goodput_markdown(table: pd.DataFrame) -> str:
     for (profile, steps), group in table.groupby(["profile", "steps"], sort=True):
         rows = [
             [
-                r["method"], r["failures_by"], str(r["runs"]), _cell(r["failures"], lambda v: f"{v:.1f}"),
+                in_sample_label(r["method"], r["in_sample_seeds"]), r["failures_by"], str(r["runs"]),
+                _cell(r["failures"], lambda v: f"{v:.1f}"),
                 _cell(r["goodput"], lambda v: f"{v:,.0f}"), _cell(r["share"], lambda v: f"{v:.1%}"),
                 _cell(r["heal_s"], lambda v: f"{v:.1f}"), _cell(r["heal_bytes_ratio"], lambda v: f"{v:.3f}"),
                 _cell(r["applied"], lambda v: f"{v:.1%}"), _cell(r["val_loss"], lambda v: f"{v:.4f}"),
@@ -64,6 +66,8 @@ def goodput_markdown(table: pd.DataFrame) -> str:
             for _, r in group.iterrows()
         ]  # fmt: skip
         parts.append(f"### {profile} · {steps} steps\n\n" + markdown_table(header, rows, text_columns=2) + "\n")
+    if table["in_sample_seeds"].astype(bool).any():
+        parts.append(IN_SAMPLE_NOTE + "\n")
     parts.append(
         "Goodput: tokens in the final model over the whole wall time; of no failures: over the same method's runs "
         "without failures, seed by seed (± the 95% t interval, n >= 3). Heal s: restart to healed (start-up, the wait "

@@ -89,3 +89,14 @@ def times(value: float) -> str:
 def change(ratio: float) -> str:
     """A ratio as a relative change: 1.048 -> '+4.8%'."""
     return "-" if blank(ratio) else f"{100 * (ratio - 1):+.3g}%"
+
+
+IN_SAMPLE_NOTE = (
+    "in-sample: reported on seeds its method's settings were chosen on (the sweep's --selected-on), so its figures "
+    "favour it; rerun it on other seeds for figures no choice saw."
+)
+
+
+def in_sample_label(name: str, chosen_seeds: object) -> str:
+    """A row's name, marked where it is reported on seeds its settings were chosen on ("0,1,2"; "" or NaN: none)."""
+    return f"{name} (in-sample: seeds {chosen_seeds})" if isinstance(chosen_seeds, str) and chosen_seeds else name

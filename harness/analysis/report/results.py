@@ -15,10 +15,12 @@ import pandas as pd
 
 from harness.analysis.options import not_recorded_note
 from harness.analysis.report.markdown import (
+    IN_SAMPLE_NOTE,
     blank,
     change,
     count,
     half_percent,
+    in_sample_label,
     markdown_table,
     percent,
     spread_cell,
@@ -80,7 +82,7 @@ def _columns(trained: bool, target: bool) -> list[str]:
 
 
 def _row(r: pd.Series, trained: bool, target: bool) -> list[str]:
-    method = r["variant"]
+    method = in_sample_label(r["variant"], r.get("in_sample_seeds"))
     if r["few_syncs"]:
         syncs = int(r["sync_count_min"])
         method += f" {FEW_SYNCS} {syncs} sync" + ("" if syncs == 1 else "s")
@@ -203,6 +205,8 @@ def report_markdown(table: pd.DataFrame, runs: pd.DataFrame, sites: pd.DataFrame
             if not mine.empty:
                 text += "\n\n" + _site_table(mine)
         parts.append(text + "\n")
+    if "in_sample_seeds" in table and table["in_sample_seeds"].fillna("").astype(bool).any():
+        parts.append(IN_SAMPLE_NOTE + "\n")
     if "options_recorded" in runs and not runs["options_recorded"].all():
         parts.append(not_recorded_note(list(runs[~runs["options_recorded"].astype(bool)]["options_commit"])) + "\n")
     failed = runs[runs["status"] != "ok"]

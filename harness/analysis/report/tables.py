@@ -4,7 +4,8 @@ folder the user named:
 
     runs    one row per run: the summary's figures, `variant` (the method and the options that differ from its
             defaults: harness/analysis/options.py, which also gives `options`, `options_given`, `options_recorded`
-            and `options_commit`), `path`, and the run's compute ceiling and `compute_utilisation` (below)
+            and `options_commit`), `path`, the run's compute ceiling and `compute_utilisation` (below), and
+            `in_sample`: its sweep (sweep.json's `selected_on`) says its method's settings were chosen on its seed
     events  one row per step or eval event of every rank, with `elapsed_s`: training wall-clock since the first step
             started, evaluation time left out (evaluation is identical for all methods and not training)
     sites   one row per run and cluster: the summary's `per_cluster` (the site's uplink and downlink rates, the wire
@@ -193,8 +194,22 @@ def _read_run(run_dir: Path, relative: str) -> _Run:
     if row["eval_s"] is None:
         evals = [e for e in by_rank.get((summary.get("stages") or 1) - 1, []) if e["kind"] == "eval"]
         row["eval_s"] = sum(e.get("eval_s") or 0.0 for e in evals) if evals else None
+    row["in_sample"] = summary.get("seed") in _selected_on(run_dir).get(summary.get("method"), [])
     spans = replica_spans(summary["run_id"], summary, by_rank)
     return _Run(row, events, sites, _link_trace_rows(summary["run_id"], run_dir), spans)
+
+
+def _selected_on(run_dir: Path) -> dict[str, list[int]]:
+    """The seeds each method's settings were chosen on, as the sweep that holds `run_dir` (OUT/runs/<name>)
+    records them (`harness sweep --selected-on`); {} for a run of no sweep, or of one that recorded none."""
+    sweep_file = run_dir.parent.parent / "sweep.json"
+    if run_dir.parent.name != "runs" or not sweep_file.is_file():
+        return {}
+    try:
+        selected = json.loads(sweep_file.read_text()).get("selected_on") or {}
+    except (OSError, ValueError, AttributeError) as err:
+        raise UnreadableResults(sweep_file, f"not a sweep's record ({type(err).__name__})") from None
+    return selected
 
 
 def _fault_tolerance_columns(summary: dict, config: dict) -> dict:

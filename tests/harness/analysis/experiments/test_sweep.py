@@ -87,6 +87,21 @@ def test_resume_skips_finished_runs_and_redoes_interrupted_and_failed_ones(tmp_p
     assert len(calls) == 4
 
 
+def test_the_seeds_that_chose_settings_are_recorded_and_label_the_report(tmp_path, fake_runner):
+    """--selected-on goes to sweep.json (a resumed sweep records its latest command's), and `harness report` labels
+    the method's runs on those seeds in-sample, only those."""
+    spec = SweepSpec(("allreduce", "local"), ("1gbps",), (0, 1), settings={"steps": 20}, selected_on={"local": (1, 5)})
+    out = tmp_path / "sweep"
+    run_sweep(spec, out)
+    assert json.loads((out / "sweep.json").read_text())["selected_on"] == {"local": [1, 5]}
+    table = comparison(load_runs([out])).set_index("method")
+    assert table.loc["local", "in_sample_seeds"] == "1" and table.loc["allreduce", "in_sample_seeds"] == ""
+    run_sweep(SweepSpec(("allreduce", "local"), ("1gbps",), (0, 1), settings={"steps": 20}), out)
+    assert json.loads((out / "sweep.json").read_text())["selected_on"] == {}
+    with pytest.raises(SweepError, match="--selected-on names dilocox, which --methods does not run"):
+        SweepSpec(("allreduce",), ("1gbps",), (0,), selected_on={"dilocox": (0,)}).validate()
+
+
 def test_an_interrupted_run_that_left_a_checkpoint_is_continued_from_it_not_redone(tmp_path, fake_runner, monkeypatch):
     calls, fail = fake_runner
     spec = SweepSpec(("allreduce", "local"), ("1gbps",), (0,), settings={"steps": 20, "checkpoint_every": 5})
@@ -162,18 +177,31 @@ def test_a_run_whose_summary_is_damaged_is_run_again(tmp_path, fake_runner, how)
 def test_sweep_json_holds_the_command_that_makes_the_sweep(tmp_path, fake_runner, monkeypatch):
     spec = SweepSpec(("allreduce",), ("1gbps",), (0,), settings={"steps": 20})
     run_sweep(spec, tmp_path / "api")
-    assert json.loads((tmp_path / "api" / "sweep.json").read_text()) == {"settings": {"steps": 20, "per_method": {}},
-                                                                          "command": None}  # fmt: skip
+    recorded = json.loads((tmp_path / "api" / "sweep.json").read_text())
+    assert recorded == {"settings": {"steps": 20, "per_method": {}}, "command": None, "selected_on": {}}
     # From the command line: the exact command, quoted so it can be pasted back.
     monkeypatch.setattr("harness.cli.sweep.reexec_if_unprivileged", lambda: None)
     out = tmp_path / "my sweep"
-    argv = ["sweep", "--methods", "allreduce,local", "--profiles", "1gbps", "--steps", "20", "--out", str(out)]
+    argv = [
+        "sweep",
+        "--methods",
+        "allreduce,local",
+        "--profiles",
+        "1gbps",
+        "--steps",
+        "20",
+        "--selected-on",
+        "local=0,3",
+    ]
+    argv += ["--out", str(out)]
     monkeypatch.setattr("sys.argv", ["/usr/bin/harness", *argv])
     result = CliRunner().invoke(cli.main, argv)
     assert result.exit_code == 0, result.output
     recorded = json.loads((out / "sweep.json").read_text())
-    assert recorded["command"] == f"harness sweep --methods allreduce,local --profiles 1gbps --steps 20 --out '{out}'"
-    assert recorded["settings"]["steps"] == 20
+    assert recorded["command"] == (
+        f"harness sweep --methods allreduce,local --profiles 1gbps --steps 20 --selected-on local=0,3 --out '{out}'"
+    )
+    assert recorded["settings"]["steps"] == 20 and recorded["selected_on"] == {"local": [0, 3]}
 
 
 def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner):

@@ -50,3 +50,18 @@ def test_goodput_is_set_against_the_same_seeds_runs_without_failures():
 def test_no_fault_tolerant_runs_no_section():
     runs = pd.DataFrame([{**run("allreduce", 0, "none", 1.0), "fault_tolerance": None}])
     assert goodput_markdown(goodput_table(runs)) == ""
+
+
+def test_a_row_on_the_seeds_that_chose_the_settings_is_labelled_in_sample():
+    runs = pd.DataFrame(
+        [
+            {**run("dilocox", seed, plan, 100.0), "in_sample": seed < 2}
+            for seed in (0, 1, 2)
+            for plan in ("none", "mtbf 40 s")
+        ]
+    )
+    text = goodput_markdown(goodput_table(runs))
+    assert "| dilocox (in-sample: seeds 0,1) | mtbf 40 s |" in text
+    assert "in-sample: reported on seeds its method's settings were chosen on" in text
+    held_out = goodput_markdown(goodput_table(runs.assign(in_sample=False)))
+    assert "in-sample" not in held_out

@@ -273,3 +273,42 @@ def test_runs_under_different_tokenizers_are_not_one_group(tmp_path):
     assert list(table["final_val_loss_n"]) == [1, 1]
     text = report_markdown(table, tables.runs)
     assert text.count("### ") == 2 and "· 20 steps · tokenizer bpe:4096\n" in text and "· 20 steps\n" in text
+
+
+def _sweep(root, selected_on, seeds=(0, 1, 2, 3)):
+    """A sweep folder (sweep.json + runs/) of allreduce and dilocox on `seeds`."""
+    (root / "runs").mkdir(parents=True)
+    record = {"settings": {}, "command": "harness sweep ...", **({"selected_on": selected_on} if selected_on else {})}
+    (root / "sweep.json").write_text(json.dumps(record))
+    for seed in seeds:
+        write_run(root / "runs", f"allreduce-s{seed}", "allreduce", seed=seed)
+        write_run(root / "runs", f"dilocox-s{seed}", "dilocox", seed=seed, tokens_per_s=3000)
+
+
+def test_a_row_on_the_seeds_that_chose_its_settings_is_labelled_in_sample(tmp_path):
+    """sweep.json's selected_on (harness sweep --selected-on) marks the runs on those seeds; the label names them."""
+    _sweep(tmp_path / "study", {"dilocox": [1, 2, 7]})
+    table = comparison(load_runs([tmp_path / "study"]))
+    by_method = table.set_index("method")["in_sample_seeds"]
+    assert by_method["dilocox"] == "1,2" and by_method["allreduce"] == ""
+    text = report_markdown(table, load_runs([tmp_path / "study"]).runs)
+    assert "| dilocox (in-sample: seeds 1,2) |" in text and "| allreduce   " in text and "allreduce (in" not in text
+    assert "in-sample: reported on seeds its method's settings were chosen on" in text
+
+
+def test_without_selected_on_or_on_other_seeds_nothing_is_labelled(tmp_path):
+    _sweep(tmp_path / "old", None)  # a sweep from before --selected-on
+    _sweep(tmp_path / "held-out", {"dilocox": [0, 1, 2, 3]}, seeds=(10, 11, 12))
+    for study in ("old", "held-out"):
+        table = comparison(load_runs([tmp_path / study]))
+        assert not table["in_sample_seeds"].astype(bool).any()
+        assert "in-sample" not in report_markdown(table, load_runs([tmp_path / study]).runs)
+
+
+def test_a_damaged_sweep_record_skips_its_runs_naming_it(tmp_path):
+    _sweep(tmp_path / "study", {"dilocox": [1]})
+    write_run(tmp_path, "alone", "allreduce")
+    (tmp_path / "study" / "sweep.json").write_text('{"selected_on": ')
+    tables = load_runs([tmp_path])
+    assert [path.rpartition("/")[2] for path in tables.runs["path"]] == ["alone"]
+    assert {str(s.path) for s in tables.skipped} == {str(tmp_path / "study" / "sweep.json")}

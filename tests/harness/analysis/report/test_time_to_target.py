@@ -14,6 +14,7 @@ from harness.analysis.report.compare import _composition_error_notes, compare_ma
 from harness.analysis.report.compare_figures import target_loss_figure
 from harness.analysis.report.markdown import spread_cell
 from harness.analysis.report.time_to_target import COMPOSED, MEASURED, _with_composition_error, analyse
+from harness.errors import UserError
 from tests.harness.analysis.comparing import SPEED, fake_compare, fake_run, row, spec_of
 
 # --- time to target, speed-up, loss gap ----------------------------------------------------------------------------
@@ -201,9 +202,9 @@ def test_a_row_reported_on_the_seeds_that_chose_its_settings_is_labelled_in_samp
 
 def test_selected_on_is_parsed_and_must_name_a_method_that_runs():
     assert parse_selected_on(["dilocox=3,4,5", "opendiloco=1"]) == {"dilocox": (3, 4, 5), "opendiloco": (1,)}
-    with pytest.raises(CompareError, match="must look like METHOD=SEEDS"):
+    with pytest.raises(UserError, match="must look like METHOD=SEEDS"):
         parse_selected_on(["dilocox"])
-    with pytest.raises(CompareError, match="--selected-on names dilocox, which --methods does not run"):
+    with pytest.raises(UserError, match="--selected-on names dilocox, which --methods does not run"):
         spec_of(selected_on={"dilocox": (1,)}).validate()
 
 
