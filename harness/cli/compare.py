@@ -122,12 +122,14 @@ def compare(
     composed with a short trace on that link (OUT/traces/; docs/comparisons.md says how, and when a trace is
     flagged as unsteady). A link given both ways also prints composed vs measured. --regime derives its link when
     the study starts and measures there every method that finishes within --measure-limit. Writes OUT/compare.md,
-    OUT/compare.csv, OUT/compare.json and OUT/figures/; rerunning the command resumes it.
+    OUT/compare.csv, OUT/compare.json, OUT/headline.md (the compact tables, one row per method and link) and
+    OUT/figures/; rerunning the command resumes it.
     """
     from harness.analysis.experiments.compare import run_compare, validate_compare
     from harness.analysis.experiments.sweep import SweepInterrupted
     from harness.analysis.plan import CompareSpec, fixed_settings, parse_method_steps, parse_selected_on, with_control
-    from harness.analysis.report.compare import compare_markdown, summary_lines, write_outputs
+    from harness.analysis.report.compare import compare_markdown, summary_lines
+    from harness.analysis.report.compare_files import write_outputs
     from harness.run.settings import parse_assignments, resolve_entries
 
     listed = resolve_entries(csv_list(methods, option="--methods"))

@@ -133,7 +133,7 @@ def run_compare(
     command: str | None = None,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Comparison:
-    """Run what is not finished yet and compare it; report/compare.py's write_outputs writes the comparison's
+    """Run what is not finished yet and compare it; report/compare_files.py's write_outputs writes the comparison's
     files.
 
     With --regime (spec.regime), its link is derived first (with_regime_link). Seed by seed, and within a seed

@@ -1,6 +1,6 @@
 """`harness compare`'s report (harness/analysis/report/time_to_target.py's Comparison) as people read it: the
-markdown table per profile with its notes, the one-line summaries, composed vs measured, and the files compare.md,
-compare.csv, compare.json and figures/ (harness/analysis/report/compare_figures.py).
+markdown table per profile with its notes, the one-line summaries and composed vs measured (the files they go to:
+harness/analysis/report/compare_files.py).
 
 Every composed figure carries its label: the table's "how" column, the summary line's "composed estimate", the CSV's
 and JSON's `how`, the figure's legend. A composed row whose trace failed the steadiness check
@@ -9,11 +9,8 @@ and JSON's `how`, the figure's legend. A composed row whose trace failed the ste
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 import pandas as pd
 
@@ -31,7 +28,6 @@ from harness.analysis.report.markdown import (
     spread_cell,
     times,
 )
-from harness.analysis.report.target_curve import speedup_curve, speedup_curve_figures
 from harness.analysis.report.time_to_target import COMPOSED, MEASURED, Comparison
 from harness.run.host_cpu import HOST_BUSY_SHARE
 
@@ -48,7 +44,7 @@ LEGEND = (
 )
 
 
-def _ratio(r: pd.Series, name: str, fmt: Callable[[float], str], half: Callable[[float], str]) -> str:
+def ratio_cell(r: pd.Series, name: str, fmt: Callable[[float], str], half: Callable[[float], str]) -> str:
     """A paired ratio's cell: 1 for the reference itself, "n/a" without a reference (comparison.ratio's pairing)."""
     how = r[f"{name}_pairing"]
     if how == "reference":
@@ -64,7 +60,7 @@ def _seconds(value: float) -> str:
     return f"{value:,.1f} s"
 
 
-def _half(value: float) -> str:
+def half_figure(value: float) -> str:
     # Equal figures differ by float rounding only; 5.3e-07 would read as a measured spread.
     return f"{value:.2g}" if abs(value) >= 5e-3 else "0"
 
@@ -80,11 +76,11 @@ def how_label(r: pd.Series) -> str:
     return f"{COMPOSED} {FLAG}" if unsteady(r) else str(r["how"])
 
 
-def _time_cell(r: pd.Series) -> str:
+def time_cell(r: pd.Series) -> str:
     if not r["reached"]:
         return f"not reached (best {r['best_val_loss']:.3f})"
     partial = "" if r["reached"] == r["runs"] else f" ({r['reached']}/{r['runs']} reached)"
-    return spread_cell(r, "time_to_target_s", _seconds, _half) + partial
+    return spread_cell(r, "time_to_target_s", _seconds, half_figure) + partial
 
 
 def variant_label(r: pd.Series) -> str:
@@ -98,13 +94,13 @@ def _row(r: pd.Series) -> list[str]:
         variant_label(r),
         str(r["runs"]),
         str(r["steps"]),
-        _time_cell(r),
-        _ratio(r, "speedup", times, _half),
+        time_cell(r),
+        ratio_cell(r, "speedup", times, half_figure),
         spread_cell(r, "tokens_per_s", count, count),
-        _ratio(r, "utilisation", percent, half_percent),
+        ratio_cell(r, "utilisation", percent, half_percent),
         spread_cell(r, "wire_bytes_per_token", lambda v: f"{v:,.1f}", lambda v: f"{v:,.1f}"),
         spread_cell(r, "final_val_loss", lambda v: f"{v:.3f}", lambda v: f"{v:.3f}"),
-        _ratio(r, "loss_vs_allreduce", change, half_percent),
+        ratio_cell(r, "loss_vs_allreduce", change, half_percent),
     ]
 
 
@@ -310,9 +306,9 @@ def validation_table(comparison: Comparison) -> str:
         return ""
     rows = [
         [
-            r["profile"], r["variant"], str(int(r["measured_s_n"])), spread_cell(r, "measured_s", _seconds, _half),
-            spread_cell(r, "composed_s", _seconds, _half),
-            _ratio(r, "composed_over_measured", lambda v: f"{v:.3f}x", lambda v: f"{v:.2g}"),
+            r["profile"], r["variant"], str(int(r["measured_s_n"])),
+            spread_cell(r, "measured_s", _seconds, half_figure), spread_cell(r, "composed_s", _seconds, half_figure),
+            ratio_cell(r, "composed_over_measured", lambda v: f"{v:.3f}x", lambda v: f"{v:.2g}"),
         ]
         for _, r in table.iterrows()
     ]  # fmt: skip
@@ -365,9 +361,9 @@ def summary_lines(comparison: Comparison) -> list[str]:
         if not r["reached"]:
             lines.append(f"{head} did not reach {comparison.target_loss:.4g} (best {r['best_val_loss']:.3f})")
             continue
-        line = f"{head} reached {comparison.target_loss:.4g} in {_time_cell(r)}"
+        line = f"{head} reached {comparison.target_loss:.4g} in {time_cell(r)}"
         if r["speedup_pairing"] not in ("", "reference") and not blank(r["speedup"]):
-            line += f", speed-up over allreduce {_ratio(r, 'speedup', times, _half)}"
+            line += f", speed-up over allreduce {ratio_cell(r, 'speedup', times, half_figure)}"
         lines.append(line)
     for profile, group in comparison.rows.groupby("profile", sort=False):
         for note in (control_note(group), regime_note(group)):
@@ -379,44 +375,6 @@ def summary_lines(comparison: Comparison) -> list[str]:
         lines.append(
             f"{r['profile']}: {r['variant']} {COMPOSED} {_seconds(r['composed_s'])} vs measured "
             f"{_seconds(r['measured_s'])}: {COMPOSED} / measured = "
-            f"{_ratio(r, 'composed_over_measured', lambda v: f'{v:.3f}x', _half)}"
+            f"{ratio_cell(r, 'composed_over_measured', lambda v: f'{v:.3f}x', half_figure)}"
         )
     return lines
-
-
-def _records(table: pd.DataFrame) -> list[dict[str, Any]]:
-    """JSON-ready rows: NaN as null."""
-    return json.loads(table.to_json(orient="records")) if not table.empty else []
-
-
-def write_outputs(comparison: Comparison, out: Path, command: str | None) -> list[Path]:
-    """compare.json, compare.md, compare.csv and figures/ in `out`."""
-    from harness.analysis.report.compare_figures import write_figures
-
-    rows = comparison.rows
-    document = {
-        "command": command,
-        "settings": comparison.spec.record(),
-        "target": {
-            "loss": comparison.target_loss,
-            "source": comparison.target_source,
-            "rule": comparison.target_rule,
-            # Profiles where local, which never communicates, reaches the target (control_note).
-            "reached_by_control": [p for p, group in rows.groupby("profile", sort=False) if control_note(group)],
-        },
-        "profiles": [
-            {"profile": profile, "rows": _records(group.assign(how_label=group.apply(how_label, axis=1)))}
-            for profile, group in rows.groupby("profile", sort=False)
-        ],
-        "validation": _records(comparison.validation),
-        "notes": [*composition_notes(comparison), *filter(None, [host_busy_note(comparison)])],
-        "failed": list(comparison.failed),
-    }
-    paths = [out / "compare.json", out / "compare.md", out / "compare.csv", out / "speedup_vs_target.csv"]
-    paths[0].write_text(json.dumps(document, indent=2, default=str) + "\n")
-    paths[1].write_text(compare_markdown(comparison, command))
-    rows.assign(how_label=rows.apply(how_label, axis=1)).to_csv(paths[2], index=False)
-    curve = speedup_curve(comparison)
-    curve.to_csv(paths[3], index=False)
-    figures = out / "figures"
-    return [*paths, *write_figures(comparison, figures), *speedup_curve_figures(curve, comparison.target_loss, figures)]

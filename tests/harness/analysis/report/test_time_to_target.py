@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 
 from harness.analysis.plan import CompareError, parse_selected_on
-from harness.analysis.report.compare import _composition_error_notes, compare_markdown, summary_lines, write_outputs
+from harness.analysis.report.compare import _composition_error_notes, compare_markdown, summary_lines
 from harness.analysis.report.compare_figures import target_loss_figure
+from harness.analysis.report.compare_files import write_outputs
 from harness.analysis.report.markdown import spread_cell
 from harness.analysis.report.time_to_target import COMPOSED, MEASURED, _with_composition_error, analyse
 from harness.errors import UserError
