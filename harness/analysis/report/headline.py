@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from harness.analysis.plan import BASELINE, CEILING
 from harness.analysis.report.compare import (
     control_note,
     half_figure,
@@ -45,10 +46,12 @@ def _row(r: pd.Series) -> list[str]:
 
 
 def headline_rows(group: pd.DataFrame) -> pd.DataFrame:
-    """A link's rows, one per method: measured where the method ran end to end there, else composed."""
+    """A link's rows, one per method: measured where the method ran end to end there, else composed; AllReduce, the
+    reference, first and the control last, however each was got."""
     measured = set(group.loc[group["how"] == MEASURED, "variant"])
-    keep = (group["how"] == MEASURED) | ~group["variant"].isin(measured)
-    return group[keep]
+    kept = group[(group["how"] == MEASURED) | ~group["variant"].isin(measured)]
+    place = kept["method"].map({BASELINE: 0, CEILING: 2}).fillna(1)
+    return kept.iloc[place.argsort(kind="stable")]
 
 
 def _composition_line(comparison: Comparison, profile: str) -> str | None:

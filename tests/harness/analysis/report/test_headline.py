@@ -53,3 +53,10 @@ def test_a_target_the_control_reaches_is_flagged_in_the_headline(tmp_path):
     assert "local reaches the target (2 of 2 seeds, measured) without ever communicating" in headline_markdown(
         analyse(spec, tmp_path)
     )
+
+
+def test_allreduce_comes_first_and_the_control_last(tmp_path):
+    spec = spec_of(methods=("local", "opendiloco", "allreduce"))
+    fake_compare(tmp_path, spec)
+    rows = table_rows(headline_markdown(analyse(spec, tmp_path)), "1gbps")
+    assert [r[0] for r in rows] == ["allreduce", "opendiloco (local_steps=10)", "local"]
