@@ -98,7 +98,7 @@ class MethodConfig:
         between rounds is all in its state_dict (what a rejoining replica fetches); the default says it is not."""
         return (
             "its exchange does not run on torchft's reconfigurable group yet; use allreduce, opendiloco or dilocox "
-            "with fault tolerance"
+            "with fault tolerance (a method of your own that can be carried says so: docs/writing-a-method.md)"
         )
 
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan | None:
