@@ -97,8 +97,9 @@ class MethodConfig:
         make; None: it can. A method is carried once every exchange it makes runs on the ManagedGroup and its state
         between rounds is all in its state_dict (what a rejoining replica fetches); the default says it is not."""
         return (
-            "its exchange does not run on torchft's reconfigurable group yet; use allreduce, opendiloco or dilocox "
-            "with fault tolerance (a method of your own that can be carried says so: docs/writing-a-method.md)"
+            "its exchange does not run on torchft's reconfigurable group yet; use allreduce, opendiloco, dilocox, "
+            "sparseloco or demo with fault tolerance (a method of your own that can be carried says so: "
+            "docs/writing-a-method.md)"
         )
 
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan | None:

@@ -7,10 +7,11 @@ next round and heals from a live peer over the link while the others train on (a
 A failure nobody injected still fails the run: fault tolerance is for the failures under study, not a way to hide
 a bug.
 
-What this covers today: allreduce (FT-DDP), opendiloco and dilocox (its gather or fp16 exchange, overlap streaming
-or none), one stage per cluster, the netns backend. A method says itself whether its settings can be carried
-(`MethodConfig.fault_tolerance_refusal`): DiLoCoX's reduce and its delayed and eager overlaps, the other compressed
-methods' exchanges and pipeline stages are not carried yet (refused before the run, `check_fault_tolerance`).
+What this covers today: allreduce (FT-DDP), opendiloco, dilocox (its gather or fp16 exchange, overlap streaming or
+none), sparseloco and demo, one stage per cluster, the netns backend. A method says itself whether its settings can
+be carried (`MethodConfig.fault_tolerance_refusal`): DiLoCoX's reduce and its delayed and eager overlaps,
+CocktailSGD (its update lands a step late), local (nothing to agree on) and pipeline stages are refused before the
+run (`check_fault_tolerance`).
 """
 
 from __future__ import annotations

@@ -321,6 +321,11 @@ CASES = [
         ["fault tolerance cannot carry dilocox", "use --set dilocox.overlap=streaming or none"],
     ),
     Case(
+        "fault-tolerance-method-of-ones-own",
+        ["run", "--method", f"{EXAMPLE_METHOD}:LocalInt8", "--set", "fault_tolerance=torchft"],
+        ["fault tolerance cannot carry", "a method of your own that can be carried says so"],
+    ),
+    Case(
         "fault-tolerance-kills-every-replica",
         [
             "run",

@@ -115,6 +115,13 @@ class CocktailConfig(MethodConfig):
         """C_t; `seed` keys the random mask (a payload's size does not depend on it)."""
         return SparseQuantizeCompressor(self.random_keep, self.topk_keep, self.bits, self.bucket_size, seed=seed)
 
+    def fault_tolerance_refusal(self) -> str | None:
+        return (
+            "its gather runs behind the next step (an update applied one step late), so a step always ends with an "
+            "exchange in flight, which a replica that heals cannot fetch; use allreduce, opendiloco, dilocox, "
+            "sparseloco or demo with fault tolerance"
+        )
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """Every step the compressed deltas' all-gather, hidden behind the next step; the warm-up's steps each
         all-reduce the fp32 model, blocking."""

@@ -151,6 +151,9 @@ class DeMoConfig(MethodConfig):
         transform = self.transform(shape)
         return transform.blocks * self.kept(transform) * COEFFICIENT_BYTES
 
+    def fault_tolerance_refusal(self) -> str | None:
+        return None  # one blocking all-gather a step; the momenta are in state_dict
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """Every step one all-gather of every tensor's coefficients, blocking: the step needs the average."""
         return SyncPlan((Exchange("all-gather", sum(self.payload_nbytes(shape) for shape in shapes)),))

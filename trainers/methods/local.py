@@ -18,6 +18,12 @@ from trainers.method import Method, MethodConfig, SyncReport
 class LocalConfig(MethodConfig):
     """Local has no knobs: it is AllReduce without the all-reduce."""
 
+    def fault_tolerance_refusal(self) -> str | None:
+        return (
+            "local never communicates, so its replicas have no rounds to agree on and nothing to heal from; run it "
+            "without fault tolerance"
+        )
+
 
 class Local(Method):
     config_class = LocalConfig

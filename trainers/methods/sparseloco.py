@@ -149,6 +149,9 @@ class SparseLoCoConfig(RoundConfig):
     def compressor(self) -> ChunkedTopK:
         return ChunkedTopK(self.chunk_size, self.density, self.bits, self.quantization_range)
 
+    def fault_tolerance_refusal(self) -> str | None:
+        return None  # one blocking all-gather a round; the error buffers are in state_dict
+
     def sync_plan(self, shapes: Sequence[torch.Size]) -> SyncPlan:
         """Once a round, blocking, the all-gather of every tensor's 4 (1 + 2^b) + ceil(R k b / 8)
         + ceil(R k ceil(log2 C) / 8) bytes (shift and lookup table, b-bit codes, in-chunk indices)."""

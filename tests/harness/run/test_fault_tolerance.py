@@ -35,6 +35,8 @@ def test_a_run_fault_tolerance_can_carry_is_accepted():
     check(method="opendiloco", clusters=3, kills={10: 1, 20: 2}, ft=FaultTolerance("torchft", min_replicas=1))
     check(method="dilocox")
     check(method="dilocox", options={"overlap": "none", "compression": False})
+    check(method="sparseloco")
+    check(method="demo")
     check(ft=FaultTolerance())
 
 
@@ -47,9 +49,8 @@ def test_a_run_fault_tolerance_can_carry_is_accepted():
         ({"method": "dilocox", "options": {"overlap": "delayed"}}, "use --set dilocox.overlap=streaming or none"),
         ({"method": "dilocox", "options": {"overlap": "eager"}}, "overlap=eager keeps a round's exchange in flight"),
         ({"method": "dilocox", "options": {"exchange": "reduce"}}, "use --set dilocox.exchange=gather"),
-        ({"method": "cocktail"}, "cannot carry cocktail: its exchange does not run on torchft's"),
-        ({"method": "sparseloco"}, "use allreduce, opendiloco or dilocox with fault tolerance"),
-        ({"method": "local"}, "cannot carry local"),
+        ({"method": "cocktail"}, "cannot carry cocktail: its gather runs behind the next step"),
+        ({"method": "local"}, "cannot carry local: local never communicates"),
         ({"stages": 2}, "one stage per cluster"),
         ({"backend": "docker"}, "on the netns backend"),
         ({"clusters": 1}, "at least 2 clusters"),
