@@ -1,6 +1,6 @@
 """Failures that heal, on real runs (`--set fault_tolerance=torchft`): a replica killed mid-run restarts, fetches its
-peer's state across the shaped link and the run ends ok with every replica holding the same parameters; Ctrl-C
-while a replica heals leaves the host clean."""
+peer's state across the shaped link and the run ends ok with every replica holding the same parameters; at three
+sites the survivors train on while it is down; Ctrl-C while a replica heals leaves the host clean."""
 
 from __future__ import annotations
 
@@ -22,32 +22,30 @@ if os.geteuid() != 0 and not user_namespaces_work():
     pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)
 pytest.importorskip("torchft", reason="fault tolerance runs on torchft (pip install -e '.[ft]')")
 
-FT_RUN = [
+FT_SHAPE = [
     "--profile", "100mbps", "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--eval-every", "20",
-    "--set", "fault_tolerance=torchft", "--set", "restart_delay_s=1", "--set", "replica_timeout_s=10",
+    "--set", "fault_tolerance=torchft", "--set", "replica_timeout_s=10",
 ]  # fmt: skip
+FT_RUN = [*FT_SHAPE, "--set", "restart_delay_s=1"]
 
 
 def events(out, rank):
     return [json.loads(line) for line in (out / "events" / f"rank{rank}.jsonl").read_text().splitlines()]
 
 
-def final_evaluations(out):
+def final_evaluations(out, ranks=(0, 1)):
     """Each rank's last evaluation: the same validation batches on each replica's parameters."""
-    return {rank: [e for e in events(out, rank) if e["kind"] == "eval"][-1] for rank in (0, 1)}
+    return {rank: [e for e in events(out, rank) if e["kind"] == "eval"][-1] for rank in ranks}
 
 
-@pytest.mark.parametrize(
-    ("method", "settings"),
-    # allreduce: torchft's all-reduce every step; dilocox: rounds (OpenDiLoCo's, plus a streaming overlap and
-    # adaptive round lengths) and its int4 factors all-gathered on torchft's group.
-    [("allreduce", []), ("dilocox", ["--set", "local_steps=10"])],
-)
-def test_a_killed_replica_heals_from_its_peer_and_the_run_ends_with_equal_replicas(tmp_path, method, settings):
+def test_a_killed_replica_heals_from_its_peer_and_the_run_ends_with_equal_replicas(tmp_path):
+    """DiLoCoX: rounds (OpenDiLoCo's, plus a streaming overlap and adaptive round lengths) and its int4 factors
+    all-gathered on torchft's group; AllReduce's all-reduce is the three-site test's."""
     before = snapshot()
     out = tmp_path / "run"
     result = harness(
-        "run", "--method", method, *settings, "--steps", 60, *FT_RUN, "--fault", "kill:25:1", "--out", out
+        "run", "--method", "dilocox", "--set", "local_steps=10", "--steps", 60, *FT_RUN, "--fault", "kill:25:1",
+        "--out", out,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
@@ -69,6 +67,30 @@ def test_a_killed_replica_heals_from_its_peer_and_the_run_ends_with_equal_replic
     # step's replicas (fewer while one was down).
     assert 60 * 2 * 64 <= summary["ft_applied_tokens"] <= 60 * 2 * 2 * 64
     assert summary["goodput_tokens_per_s"] > 0
+    assert leftovers(before, run_marker(out)) == {}
+
+
+def test_at_three_sites_the_survivors_train_on_while_the_failed_replica_is_down(tmp_path):
+    """AllReduce (FT-DDP), 3 sites, replica 1 killed at step 20 and restarted 6 s later: past torchft's 5 s heartbeat
+    the lighthouse drops it, the other two train on as a quorum of two, and replica 1 heals to where they are."""
+    before = snapshot()
+    out = tmp_path / "run"
+    argv = ["--steps", 80, *FT_SHAPE, "--clusters", 3, "--set", "restart_delay_s=6", "--fault", "kill:20:1"]
+    result = harness("run", "--method", "allreduce", *argv, "--out", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = summary_of(out)
+    assert summary["status"] == "ok" and summary["steps"] == 80
+    (heal,) = summary["heals"]
+    assert heal["rank"] == 1 and heal["down_s"] >= 6.0
+    killed, healed = heal["killed_at_step"], heal["healed_to_step"]
+    assert healed > killed + 1, "the survivors waited for the failed replica instead of training on"
+    for survivor in (0, 2):
+        alone = [e["from_step"] for e in events(out, survivor) if e["kind"] == "commit" and e["participants"] == 2]
+        assert alone == list(range(killed, healed))
+    # The steps replica 1 missed are the only ones not applied three times over.
+    assert summary["ft_applied_fraction"] == pytest.approx(1 - (healed - killed) / (3 * 80))
+    evaluations = final_evaluations(out, (0, 1, 2))
+    assert len({(e["step"], e["val_loss"]) for e in evaluations.values()}) == 1
     assert leftovers(before, run_marker(out)) == {}
 
 
