@@ -37,9 +37,19 @@ from tests.harness.refusal import (
     assert_refused,
     flat,
 )
+from trainers import registry
 from trainers.registry import method_names, method_options
 
 SHIPPED = known_profiles()
+
+
+@pytest.fixture(autouse=True)
+def methods_registered_here_stay_here(monkeypatch):
+    """The CLI runs in this process, and a --method path/to/file.py:Class registers that method for the process: a
+    later test that lists the methods (and spawns ranks that cannot know it) would find it."""
+    monkeypatch.setattr(registry, "METHODS", dict(registry.METHODS))
+
+
 EXAMPLE_METHOD = Path(__file__).resolve().parents[2] / "examples" / "local_int8.py"
 IS_ROOT = os.geteuid() == 0
 

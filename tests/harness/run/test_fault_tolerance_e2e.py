@@ -24,9 +24,9 @@ pytest.importorskip("torchft", reason="fault tolerance runs on torchft (pip inst
 
 FT_SHAPE = [
     "--profile", "100mbps", "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--eval-every", "20",
-    "--set", "fault_tolerance=torchft", "--set", "replica_timeout_s=10",
+    "--set", "fault_tolerance=torchft",
 ]  # fmt: skip
-FT_RUN = [*FT_SHAPE, "--set", "restart_delay_s=1"]
+FT_RUN = [*FT_SHAPE, "--set", "replica_timeout_s=10", "--set", "restart_delay_s=1"]
 
 
 def events(out, rank):
@@ -51,10 +51,12 @@ def test_a_killed_replica_heals_from_its_peer_and_the_run_ends_with_equal_replic
     summary = summary_of(out)
     assert summary["status"] == "ok" and summary["steps"] == 60
     (heal,) = summary["heals"]
-    assert heal["rank"] == 1 and heal["killed_at_step"] >= 25 and heal["down_s"] >= 1.0
-    # The restarted replica took its peer's round: a round the peer committed from, not its own step 0.
+    assert heal["rank"] == 1 and heal["down_s"] >= 1.0
+    # The kill comes once rank 0 has done 25 steps; replicas meet at rounds' ends, so rank 1 was in that round.
     rounds_of_peer = {e["from_step"] for e in events(out, 0) if e["kind"] == "commit"}
-    assert 0 < heal["healed_to_step"] <= heal["killed_at_step"] + 1 and heal["healed_to_step"] in rounds_of_peer
+    assert heal["killed_at_step"] >= max(r for r in rounds_of_peer if r <= 25)
+    # The restarted replica took its peer's round: a round the peer committed from, not its own step 0.
+    assert heal["healed_to_step"] > 0 and heal["healed_to_step"] in rounds_of_peer
     # What crossed the link to heal is the state torch serializes, plus TCP/IP and HTTP headers (a few %).
     assert heal["heal_state_bytes"] <= heal["heal_received_bytes"] <= 1.05 * heal["heal_state_bytes"]
     quorums = [e for e in events(out, 1) if e["kind"] == "quorum" and "healed_to_step" in e]
@@ -71,24 +73,28 @@ def test_a_killed_replica_heals_from_its_peer_and_the_run_ends_with_equal_replic
 
 
 def test_at_three_sites_the_survivors_train_on_while_the_failed_replica_is_down(tmp_path):
-    """AllReduce (FT-DDP), 3 sites, replica 1 killed at step 20 and restarted 6 s later: past torchft's 5 s heartbeat
-    the lighthouse drops it, the other two train on as a quorum of two, and replica 1 heals to where they are."""
+    """AllReduce (FT-DDP), 3 sites, replica 1 killed at step 20 and restarted 12 s later: past torchft's 5 s heartbeat
+    the lighthouse drops it, the other two train on as a quorum of two, and replica 1 heals to where they are. The
+    survivors give up on the dead peer's exchange within replica_timeout_s (5 s) even where gloo does not notice the
+    death, so they train alone well before the restarted replica asks to join (12 s and its start-up)."""
     before = snapshot()
     out = tmp_path / "run"
-    argv = ["--steps", 80, *FT_SHAPE, "--clusters", 3, "--set", "restart_delay_s=6", "--fault", "kill:20:1"]
+    argv = ["--steps", 100, *FT_SHAPE, "--clusters", 3, "--set", "replica_timeout_s=5", "--set", "restart_delay_s=12"]
+    argv += ["--fault", "kill:20:1"]
     result = harness("run", "--method", "allreduce", *argv, "--out", out)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = summary_of(out)
-    assert summary["status"] == "ok" and summary["steps"] == 80
+    assert summary["status"] == "ok" and summary["steps"] == 100
     (heal,) = summary["heals"]
-    assert heal["rank"] == 1 and heal["down_s"] >= 6.0
+    assert heal["rank"] == 1 and heal["down_s"] >= 12.0
     killed, healed = heal["killed_at_step"], heal["healed_to_step"]
     assert healed > killed + 1, "the survivors waited for the failed replica instead of training on"
     for survivor in (0, 2):
         alone = [e["from_step"] for e in events(out, survivor) if e["kind"] == "commit" and e["participants"] == 2]
-        assert alone == list(range(killed, healed))
+        # From the step replica 1 died in (or the next, had its last exchange gone through) to the one it healed to.
+        assert alone == list(range(alone[0], healed)) and abs(alone[0] - killed) <= 1
     # The steps replica 1 missed are the only ones not applied three times over.
-    assert summary["ft_applied_fraction"] == pytest.approx(1 - (healed - killed) / (3 * 80))
+    assert summary["ft_applied_fraction"] == pytest.approx(1 - len(alone) / (3 * 100))
     evaluations = final_evaluations(out, (0, 1, 2))
     assert len({(e["step"], e["val_loss"]) for e in evaluations.values()}) == 1
     assert leftovers(before, run_marker(out)) == {}
