@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from harness.run.host_cpu import HOST_BUSY_SHARE
 from harness.units import format_rate
 
 # Never markup, emoji codes or highlighting: what the harness prints holds paths, names and library messages.
@@ -72,6 +73,19 @@ def progress_bars() -> Progress:
     )
 
 
+def _busy(row) -> Text:
+    """Said as each run ends, so that a study's author learns at its first run, not from its report, that the host
+    was not quiet (a timed study's runs are void then)."""
+    share = row.host_other_cpu_share
+    if share is None or share <= HOST_BUSY_SHARE:
+        return Text()
+    return Text(
+        f"  host busy: other processes took {share:.0%} of its CPU (over {HOST_BUSY_SHARE:.0%}: its times are "
+        "flagged; remove its folder and run the command again on a quiet host)",
+        style="yellow",
+    )
+
+
 class SweepProgress:
     """A bar for the sweep and one for the run in progress; a line per finished run."""
 
@@ -101,9 +115,10 @@ class SweepProgress:
         self.bars.advance(self.sweep)
         speed = f"{row.tokens_per_s:,.0f} tokens/s" if row.tokens_per_s else ""
         if row.skipped:
-            line = Text.assemble(("skip", "dim"), f"   {row.combination.name} (finished earlier) {speed}")
+            line = Text.assemble(("skip", "dim"), f"   {row.combination.name} (finished earlier) {speed}", _busy(row))
         elif row.status == "ok":
-            line = Text.assemble(("ok", "green"), f"     {row.combination.name} {speed}")
+            line = Text.assemble(("ok", "green"), f"     {row.combination.name} {speed}", _busy(row))
         else:
             line = Text.assemble(("failed", "red"), f" {row.combination.name}: {row.failure}")
-        self.bars.console.print(line, highlight=False)
+        # One line each, however long, so that a log of a study can be read (and grepped) a run a line.
+        self.bars.console.print(line, highlight=False, soft_wrap=True)

@@ -64,6 +64,8 @@ class IndexRow:
     failure: str | None = None
     tokens_per_s: float | None = None
     skipped: bool = False  # already finished in an earlier invocation
+    # Its summary's figure (harness/run/host_cpu.py), for the progress line; index.csv leaves it to the summary.
+    host_other_cpu_share: float | None = None
 
     def record(self) -> dict[str, Any]:
         combo = self.combination
@@ -199,7 +201,14 @@ def _run_one(spec: SweepSpec, combo: Combination, out: Path, observer: SweepObse
     # One broken run must not end the sweep; the runner has finalized its folder before raising.
     except Exception as err:
         return IndexRow(combo, "failed", relative if final.exists() else None, f"{type(err).__name__}: {err}")
-    return IndexRow(combo, summary["status"], relative, summary.get("failure"), summary.get("tokens_per_s"))
+    return IndexRow(
+        combo,
+        summary["status"],
+        relative,
+        summary.get("failure"),
+        summary.get("tokens_per_s"),
+        host_other_cpu_share=summary.get("host_other_cpu_share"),
+    )
 
 
 def _checkpointed(final: Path) -> int | None:
@@ -267,7 +276,15 @@ def run_sweep(
         for position, combo in enumerate(combos, start=1):
             done = None if force else finished_ok(out / "runs" / combo.name)
             if done is not None:
-                row = IndexRow(combo, "ok", f"runs/{combo.name}", None, done.get("tokens_per_s"), skipped=True)
+                row = IndexRow(
+                    combo,
+                    "ok",
+                    f"runs/{combo.name}",
+                    None,
+                    done.get("tokens_per_s"),
+                    skipped=True,
+                    host_other_cpu_share=done.get("host_other_cpu_share"),
+                )
             else:
                 observer.started(combo, position, len(combos))
                 row = _run_one(spec, combo, out, observer)

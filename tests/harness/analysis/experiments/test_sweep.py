@@ -27,6 +27,7 @@ from harness.lock import RunLock
 from harness.net.profiles import load_profile
 from harness.run import runner
 from harness.run.folder import RunFolder
+from harness.run.host_cpu import HOST_BUSY_SHARE
 from harness.userns import user_namespaces_work
 from tests.harness.fakeruns import damage, write_run
 
@@ -202,6 +203,31 @@ def test_sweep_json_holds_the_command_that_makes_the_sweep(tmp_path, fake_runner
         f"harness sweep --methods allreduce,local --profiles 1gbps --steps 20 --selected-on local=0,3 --out '{out}'"
     )
     assert recorded["settings"]["steps"] == 20 and recorded["selected_on"] == {"local": [0, 3]}
+
+
+def test_a_run_timed_on_a_busy_host_is_said_as_it_ends_and_when_it_is_skipped(tmp_path, monkeypatch):
+    """The progress line names a run whose summary puts other processes over HOST_BUSY_SHARE of the CPU, with its
+    share, as it finishes and again when a resumed sweep skips it; a run at or under the share is not named."""
+    shares = {"allreduce-1gbps-s0": 0.23, "local-1gbps-s0": HOST_BUSY_SHARE}
+
+    def fake_run(config, out, on_progress=None):
+        write_run(out.parent, out.name, config.method, config.profile.name, config.train.seed)
+        summary = {**json.loads((out / "summary.json").read_text()), "host_other_cpu_share": shares[out.name]}
+        (out / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    monkeypatch.setattr("harness.cli.sweep.reexec_if_unprivileged", lambda: None)
+    argv = ["sweep", "--methods", "allreduce,local", "--profiles", "1gbps", "--steps", "20"]
+    argv += ["--out", str(tmp_path / "sweep")]
+    # Run, then resumed: both runs skipped.
+    for said in ("ok ", "skip "):
+        result = CliRunner().invoke(cli.main, argv)
+        assert result.exit_code == 0, result.output
+        lines = [line for line in result.output.splitlines() if line.startswith(said)]
+        assert len(lines) == 2, result.output
+        assert "host busy: other processes took 23% of its CPU (over 10%" in lines[0], lines[0]
+        assert "host busy" not in lines[1], lines[1]
 
 
 def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, fake_runner):
