@@ -25,6 +25,7 @@ from harness.analysis.report.markdown import (
     in_sample_label,
     markdown_table,
     percent,
+    significant,
     spread_cell,
     times,
 )
@@ -62,7 +63,7 @@ def _seconds(value: float) -> str:
 
 def half_figure(value: float) -> str:
     # Equal figures differ by float rounding only; 5.3e-07 would read as a measured spread.
-    return f"{value:.2g}" if abs(value) >= 5e-3 else "0"
+    return significant(value, 2) if abs(value) >= 5e-3 else "0"
 
 
 def unsteady(r: pd.Series) -> bool:
@@ -308,7 +309,7 @@ def validation_table(comparison: Comparison) -> str:
         [
             r["profile"], r["variant"], str(int(r["measured_s_n"])),
             spread_cell(r, "measured_s", _seconds, half_figure), spread_cell(r, "composed_s", _seconds, half_figure),
-            ratio_cell(r, "composed_over_measured", lambda v: f"{v:.3f}x", lambda v: f"{v:.2g}"),
+            ratio_cell(r, "composed_over_measured", lambda v: f"{v:.3f}x", lambda v: significant(v, 2)),
         ]
         for _, r in table.iterrows()
     ]  # fmt: skip

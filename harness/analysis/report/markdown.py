@@ -71,24 +71,32 @@ def count(value: float) -> str:
     return format(value, ",.0f")
 
 
+def significant(value: float, digits: int, signed: bool = False) -> str:
+    """`value` to `digits` significant figures, written out: 0.38, 7.8, 100, 1,010 - never '1e+02', which a table
+    reader takes for a typo."""
+    sign = "+" if signed else ""
+    text = format(value, f"{sign}.{digits}g")
+    return format(float(text), f"{sign},.0f") if "e+" in text else text
+
+
 def percent(share: float) -> str:
-    return "-" if blank(share) else f"{100 * share:.3g}%"
+    return "-" if blank(share) else f"{significant(100 * share, 3)}%"
 
 
 def half_percent(value: float) -> str:
-    return f"{100 * value:.2g}%"
+    return f"{significant(100 * value, 2)}%"
 
 
 def times(value: float) -> str:
     """A ratio: '3.2x'."""
     if blank(value):
         return "-"
-    return "inf" if math.isinf(value) else f"{value:.3g}x"
+    return "inf" if math.isinf(value) else f"{significant(value, 3)}x"
 
 
 def change(ratio: float) -> str:
     """A ratio as a relative change: 1.048 -> '+4.8%'."""
-    return "-" if blank(ratio) else f"{100 * (ratio - 1):+.3g}%"
+    return "-" if blank(ratio) else f"{significant(100 * (ratio - 1), 3, signed=True)}%"
 
 
 IN_SAMPLE_NOTE = (

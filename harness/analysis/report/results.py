@@ -23,6 +23,7 @@ from harness.analysis.report.markdown import (
     in_sample_label,
     markdown_table,
     percent,
+    significant,
     spread_cell,
     times,
     with_spread,
@@ -50,7 +51,7 @@ def _ratio_cell(r: pd.Series, name: str, fmt: Callable[[float], str], half: Call
 
 
 def _half_times(value: float) -> str:
-    return f"{value:.2g}"
+    return significant(value, 2)
 
 
 def _loss(value: float) -> str:
