@@ -139,6 +139,13 @@ class _Records:
         return [last[step] for step in sorted(last)]
 
     @property
+    def step_count(self) -> int:
+        """Steps any replica logged: under fault tolerance a replica killed after its share of a round's exchange went
+        through, but before it logged the step, heals past that step, so rank 0's own log can lack a step that is in
+        the final model."""
+        return len({e["step"] for rank in self.first_stage for e in self.events.get(rank, []) if e["kind"] == "step"})
+
+    @property
     def syncs(self) -> list[dict[str, Any]]:
         """Rank 0's events that carry an exchange: a method's last one may complete in finish(), logged as its own
         event after the last step."""
@@ -182,7 +189,7 @@ def _throughput(records: _Records) -> dict[str, Any]:
     window_s = records.rank0("window_s")
     window_tokens = records.rank0("window_tokens")
     return {
-        "steps": len(steps),
+        "steps": records.step_count,
         "tokens": tokens,
         "trained_tokens": tokens,
         # Tokens that count are tokens in the final model: those whose updates the synchronized parameters hold. A

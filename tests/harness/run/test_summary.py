@@ -89,3 +89,20 @@ def test_only_changed_code_marks_a_run_dirty(tmp_path):
     assert code_dirty(tmp_path) is False
     (tmp_path / "harness" / "method.py").write_text("lr = 2\n")
     assert code_dirty(tmp_path) is True
+
+
+def test_a_step_only_the_other_replica_logged_still_counts(tmp_path):
+    """A replica killed between its share of a round's exchange and logging that step heals past it (a real run of
+    the goodput study did): the step is in the final model, so the run still has every step."""
+    from harness.run.config import RunConfig
+    from harness.run.folder import RunPaths
+    from tests.harness.fakeruns import write_run
+
+    run = write_run(tmp_path, "r", steps=20)
+    paths = RunPaths(run)
+    events = [json.loads(line) for line in paths.events(0).read_text().splitlines()]
+    kept = [e for e in events if not (e["kind"] == "step" and e["step"] == 13)]
+    assert len(kept) == len(events) - 1
+    paths.events(0).write_text("".join(json.dumps(e) + "\n" for e in kept))
+    summary = summarize(RunConfig.load(paths.config), run, None, {})
+    assert summary["status"] == "ok" and summary["steps"] == 20
