@@ -22,10 +22,10 @@ from harness.analysis.report.markdown import (
     change,
     count,
     half_percent,
+    half_times,
     in_sample_label,
     markdown_table,
     percent,
-    significant,
     spread_cell,
     times,
 )
@@ -63,7 +63,7 @@ def _seconds(value: float) -> str:
 
 def half_figure(value: float) -> str:
     # Equal figures differ by float rounding only; 5.3e-07 would read as a measured spread.
-    return significant(value, 2) if abs(value) >= 5e-3 else "0"
+    return half_times(value) if abs(value) >= 5e-3 else "0"
 
 
 def unsteady(r: pd.Series) -> bool:
@@ -309,7 +309,7 @@ def validation_table(comparison: Comparison) -> str:
         [
             r["profile"], r["variant"], str(int(r["measured_s_n"])),
             spread_cell(r, "measured_s", _seconds, half_figure), spread_cell(r, "composed_s", _seconds, half_figure),
-            ratio_cell(r, "composed_over_measured", lambda v: f"{v:.3f}x", lambda v: significant(v, 2)),
+            ratio_cell(r, "composed_over_measured", lambda v: f"{v:.3f}x", half_times),
         ]
         for _, r in table.iterrows()
     ]  # fmt: skip

@@ -87,6 +87,11 @@ def half_percent(value: float) -> str:
     return f"{significant(100 * value, 2)}%"
 
 
+def half_times(value: float) -> str:
+    """A ratio's spread: '0.38', '100'."""
+    return significant(value, 2)
+
+
 def times(value: float) -> str:
     """A ratio: '3.2x'."""
     if blank(value):

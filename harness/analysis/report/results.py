@@ -20,10 +20,10 @@ from harness.analysis.report.markdown import (
     change,
     count,
     half_percent,
+    half_times,
     in_sample_label,
     markdown_table,
     percent,
-    significant,
     spread_cell,
     times,
     with_spread,
@@ -48,10 +48,6 @@ def _ratio_cell(r: pd.Series, name: str, fmt: Callable[[float], str], half: Call
     if how == "ratio of means":
         return f"{fmt(r[name])} (ratio of means)" if not blank(r[name]) else "-"
     return with_spread(r[name], r[f"{name}_n"], r[f"{name}_low"], r[f"{name}_high"], fmt, half, how)
-
-
-def _half_times(value: float) -> str:
-    return significant(value, 2)
 
 
 def _loss(value: float) -> str:
@@ -93,7 +89,7 @@ def _row(r: pd.Series, trained: bool, target: bool) -> list[str]:
         r["seeds"],
         spread_cell(r, "tokens_per_s", count, count),
         *([spread_cell(r, "trained_tokens_per_s", count, count)] if trained else []),
-        _ratio_cell(r, "ratio_to_allreduce", times, _half_times),
+        _ratio_cell(r, "ratio_to_allreduce", times, half_times),
         _ratio_cell(r, "utilisation", percent, half_percent),
         spread_cell(r, "compute_utilisation", percent, half_percent),
         _num(r["wire_bytes_per_token"], ",.1f"),
@@ -130,12 +126,12 @@ def _regime_table(group: pd.DataFrame) -> str:
     rows = [
         [
             r["variant"],
-            _ratio_cell(r, "ratio_to_allreduce", times, _half_times),
+            _ratio_cell(r, "ratio_to_allreduce", times, half_times),
             _ratio_cell(r, "utilisation", percent, half_percent),
             # local is utilisation's reference: its normalized ratio is 1 + R_target by definition.
             f"{1 + target_r:.1f}x (by definition)"
             if r["utilisation_pairing"] == "reference"
-            else _ratio_cell(r, "normalized_ratio", times, _half_times),
+            else _ratio_cell(r, "normalized_ratio", times, half_times),
         ]
         for _, r in group.iterrows()
     ]
