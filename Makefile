@@ -19,8 +19,9 @@ setup: $(BIN)/harness
 demo: setup
 	$(BIN)/harness run --profile 1gbps --method dilocox
 
-# Two phases: every test on every core (pytest-xdist), then the ones marked `alone` one at a time - they time a real
-# link, a delay or a deadline, or clean up the whole host, which other tests beside them would blur or race. Each
+# Two phases: every test on every core (pytest-xdist; the Docker engine's tests one at a time, by a lock), then the
+# ones marked `alone` one at a time - they time a real link, a delay or a deadline, which other tests beside them
+# would blur. Tests that kill, signal or clean up a run act on its run key only, so they run in the first phase. Each
 # phase runs (a red first phase still shows the second's); exit status 5 (PYTEST_ARGS selected none of a phase's
 # tests) is no failure.
 test: setup

@@ -14,7 +14,7 @@ from harness.userns import user_namespaces_work
 from tests.harness.e2e import harness
 from tests.harness.hoststate import link_names, netns_names
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 if os.geteuid() != 0:
     pytest.skip("builds clusters in this process: needs root", allow_module_level=True)

@@ -24,7 +24,7 @@ from tests.harness.e2e import HARNESS, SMALL_RUN, run_marker, summary_of, wait_f
 from tests.harness.e2e import harness as run_harness
 from tests.harness.hoststate import leftovers, snapshot, worker_pids
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 if os.geteuid() != 0:
     pytest.skip(

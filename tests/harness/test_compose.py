@@ -114,7 +114,7 @@ def _engine_reachable() -> bool:
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
+@pytest.mark.usefixtures("docker_engine_to_itself")
 def test_compose_job_trains_on_cpu_with_the_dev_image(tmp_path):
     if os.geteuid() != 0 or not _engine_reachable():
         pytest.skip("needs root and a docker engine (install docker.io and start dockerd) to run the compose job")

@@ -1,4 +1,9 @@
-"""Real multi-process runs for method tests: spawned ranks joined over gloo on 127.0.0.1."""
+"""Real multi-process runs for method tests: forked ranks joined over gloo on 127.0.0.1.
+
+Forked, not spawned: a spawned rank imports torch again and, at its first optimizer, torch._dynamo (torch.optim
+imports it there), ~3 s of CPU a rank that a fork inherits from the test process instead (the method and trainer
+tests took 150 s with spawned ranks, 64 s forked, two at a time). The test process may have run torch ops on an
+OpenMP pool a fork does not carry over: each rank sets one intra-op thread before any op, so it never enters one."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401 - imported once here for every forked rank (see above)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -38,7 +44,9 @@ def run_ranks(scenario, args: tuple, out_dir: Path, world: int = 2) -> list:
     `scenario` must be a module-level function (the ranks are spawned processes that import it) and runs inside
     the default process group, so it can use `dist.group.WORLD`, `dist.get_world_size()` and `dist.new_group`.
     """
-    mp.spawn(_rank, args=(world, free_port(), scenario, args, out_dir), nprocs=world, join=True)
+    mp.start_processes(
+        _rank, args=(world, free_port(), scenario, args, out_dir), nprocs=world, join=True, start_method="fork"
+    )
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 

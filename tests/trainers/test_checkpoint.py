@@ -53,25 +53,22 @@ def _run(name: str, options: dict, rank: int, group, checkpoints: Checkpointing 
     return {"events": events, "result": result}
 
 
-def _scenarios(rank: int, root: str) -> dict:
+def _scenario(rank: int, root: str, case: str) -> dict:
     group = dist.new_group([0, 1])
-    out = {}
-    for case, (name, options) in CASES.items():
-        checkpoints = Checkpointing(Path(root) / case, EVERY)
-        whole = _run(name, options, rank, group, None, None)
-        stopped = _run(name, options, rank, group, checkpoints, STOP_AFTER)
-        dist.barrier()
-        resumed = _run(name, options, rank, group, checkpoints, None)
-        out[case] = {"whole": whole, "stopped": stopped, "resumed": resumed}
-    return out
+    name, options = CASES[case]
+    checkpoints = Checkpointing(Path(root) / case, EVERY)
+    whole = _run(name, options, rank, group, None, None)
+    stopped = _run(name, options, rank, group, checkpoints, STOP_AFTER)
+    dist.barrier()
+    resumed = _run(name, options, rank, group, checkpoints, None)
+    return {"whole": whole, "stopped": stopped, "resumed": resumed}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every case on two ranks in one spawn (spawning is the slow part): case -> each rank's three runs."""
-    root = tmp_path_factory.mktemp("checkpoints")
-    results = run_ranks(_scenarios, (str(root),), root)
-    return {case: [r[case] for r in results] for case in CASES}
+@pytest.fixture
+def runs(tmp_path, case):
+    """The case's three runs on each of two ranks, spawned for its test alone (forked ranks start in well under a
+    second; a fixture of every case would run them all on each test worker that took one of them)."""
+    return run_ranks(_scenario, (str(tmp_path), case), tmp_path)
 
 
 def _steps(events: list[dict]) -> dict[int, float]:
@@ -80,7 +77,7 @@ def _steps(events: list[dict]) -> dict[int, float]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_resumed_run_trains_bit_for_bit_as_the_uninterrupted_one(runs, case):
-    for rank, run in enumerate(runs[case]):
+    for rank, run in enumerate(runs):
         whole, stopped, resumed = run["whole"], run["stopped"], run["resumed"]
         saved = [e["step"] for e in stopped["events"] if e["kind"] == "checkpoint"]
         # Saved at the interval (DiLoCoX: at the first step after it with nothing in flight), before the stop.

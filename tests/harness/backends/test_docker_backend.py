@@ -29,7 +29,9 @@ docker = pytest.importorskip("docker", reason="the docker SDK is not installed; 
 
 from harness.backends.docker import RUN_KEY_LABEL, cleanup, parse_gpus, unavailable_reason  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+# One engine test at a time beside the other tests (tests/harness/conftest.py): assert_nothing_left compares the
+# engine's namespaces host-wide.
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("docker_engine_to_itself")]
 
 REPO = Path(__file__).resolve().parents[3]
 DOCKER = ["--backend", "docker"]
@@ -204,6 +206,7 @@ def test_cleanup_removes_what_a_killed_harness_left(tmp_path, client, start_long
     assert owner_alive(run_key) is None
 
 
+@pytest.mark.alone
 @pytest.mark.usefixtures("client")
 def test_same_seed_gives_the_same_losses_and_busbw_as_netns(tmp_path):
     """At 500 Mbit/s both backends are bound by the shaper and send the same frames (470.5 and 463.3 Mbit/s). At

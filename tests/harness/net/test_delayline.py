@@ -332,7 +332,6 @@ def test_a_lossy_wan_through_the_delay_line_measures_as_the_profile_and_leaves_n
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 @e2e
 def test_a_killed_delay_line_is_named_by_vanished_and_down_still_removes_everything(keys, tmp_path):
     from harness.lock import RunLock
@@ -393,7 +392,6 @@ def start_child(keys, key: str, log_dir: Path, lock: bool) -> list[int]:
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 @e2e
 def test_delay_lines_die_with_a_killed_harness_and_cleanup_removes_the_rest(keys, tmp_path):
     from harness.backends.netns import cleanup
@@ -415,7 +413,6 @@ def test_delay_lines_die_with_a_killed_harness_and_cleanup_removes_the_rest(keys
 
 
 @pytest.mark.e2e
-@pytest.mark.alone
 @e2e
 def test_cleanup_kills_a_delay_line_that_outlived_its_dead_run(keys, tmp_path):
     """A delay line whose parent-death signal did not fire (here: its parent is this test, alive) must not keep a

@@ -15,7 +15,7 @@ from harness.userns import user_namespaces_work
 from tests.harness.e2e import HARNESS, SMALL_RUN, harness, rank_pid, run_marker, summary_of, wait_for_steps
 from tests.harness.hoststate import leftovers, snapshot, worker_pids
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]
+pytestmark = pytest.mark.e2e
 
 if os.geteuid() != 0 and not user_namespaces_work():
     pytest.skip("needs root or user namespaces to build network namespaces", allow_module_level=True)
@@ -39,6 +39,7 @@ def run_key_of(out: Path) -> str:
     return json.loads((out.parent / f".{out.name}.partial" / "config.json").read_text())["run_key"]
 
 
+@pytest.mark.alone
 def test_a_stopped_worker_fails_the_run_within_the_deadline_naming_it(tmp_path):
     """SIGSTOP: no collective timeout fires, and /proc shows the stopped state at once: the run fails within seconds,
     not after the 300 s watchdog."""

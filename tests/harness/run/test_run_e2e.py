@@ -147,7 +147,6 @@ def test_worker_that_raises_fails_the_run_with_its_error(tmp_path):
     assert leftovers(before, run_marker(out)) == {}
 
 
-@pytest.mark.alone
 def test_killed_harness_takes_its_workers_with_it(tmp_path):
     """SIGKILL gives the harness no chance to clean up; the kernel still ends its workers (PDEATHSIG)."""
     out = tmp_path / "run"
