@@ -274,6 +274,10 @@ class _Rounds:
         self._losses_kept = 0
 
     def _load(self, state: dict[str, Any]) -> None:
+        # A copy: torch's Optimizer.load_state_dict keeps the tensors it is given and every step updates them in
+        # place, so loading `state` itself would let the round change the snapshot it may have to go back to (a
+        # healed rank's snapshot is the state it received; a discard then restored the discarded steps' moments).
+        state = copy.deepcopy(state)
         self.setup.stage.module.load_state_dict(state["model"])
         self.setup.method.load_state_dict(state["method"])
         self.setup.batches = self.setup.batches_from(state["step"])
