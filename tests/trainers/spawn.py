@@ -41,8 +41,8 @@ def _rank(rank: int, world: int, port: int, scenario, args: tuple, out_dir: Path
 def run_ranks(scenario, args: tuple, out_dir: Path, world: int = 2) -> list:
     """Run `scenario(rank, *args)` on `world` ranks; returns what each rank returned, in rank order.
 
-    `scenario` must be a module-level function (the ranks are spawned processes that import it) and runs inside
-    the default process group, so it can use `dist.group.WORLD`, `dist.get_world_size()` and `dist.new_group`.
+    `scenario` runs in each forked rank inside the default process group, so it can use `dist.group.WORLD`,
+    `dist.get_world_size()` and `dist.new_group`.
     """
     mp.start_processes(
         _rank, args=(world, free_port(), scenario, args, out_dir), nprocs=world, join=True, start_method="fork"
@@ -51,7 +51,7 @@ def run_ranks(scenario, args: tuple, out_dir: Path, world: int = 2) -> list:
 
 
 def run_scenarios(scenarios, out_dir: Path, world: int = 2) -> dict[str, list]:
-    """Run `scenarios(rank)`, a module-level function returning {scenario name: result}, on `world` ranks in one
-    spawn (spawning is the slow part); returns scenario name -> each rank's result, in rank order."""
+    """Run `scenarios(rank)`, a function returning {scenario name: result}, on `world` ranks started once (each start
+    forks the ranks and joins a process group); returns scenario name -> each rank's result, in rank order."""
     results = run_ranks(scenarios, (), out_dir, world)
     return {name: [out[name] for out in results] for name in results[0]}

@@ -1,8 +1,8 @@
 """DiLoCoX: the adaptive rule and error feedback in one process; the exchange in two real processes (gloo over
 loopback), driven step by step as the train loop does.
 
-Spawning is the slow part, so every two-process scenario runs in one spawn (the `two_replicas` fixture) and each
-test checks its own scenario's results.
+Every two-process scenario runs in one start of the ranks (the `two_replicas` fixture: one fork and one process
+group, not one per test) and each test checks its own scenario's results.
 """
 
 from __future__ import annotations
